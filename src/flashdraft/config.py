@@ -1,0 +1,128 @@
+"""Typed, validated training configuration with named presets.
+
+A run's config is a preset (`tiny_cpu`, `qwen3_8b_h200`, ...) overlaid with a YAML file and then
+command-line options; the resolved result is saved as RUN/config.yaml and inside checkpoints.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class DrafterSpec(_Strict):
+    """Shape of the drafter; width, heads and RoPE follow the target."""
+
+    num_layers: int = Field(5, ge=1, description="draft decoder layers")
+    num_taps: int = Field(5, ge=1, description="target layers tapped, spread by the default rule")
+    target_layer_ids: list[int] | None = Field(None, description="explicit 0-based target layers")
+    block_size: int = Field(16, ge=2, description="tokens drafted per block (B)")
+    mask_token_id: int | None = Field(None, description="token id of MASK; auto-detected when unset")
+    intermediate_size: int | None = Field(None, description="MLP width; the target's when unset")
+
+
+class DataSpec(_Strict):
+    seq_len: int = Field(3072, ge=16, description="tokens per packed row (fixed shape)")
+    rows_per_batch: int = Field(1, ge=1, description="packed rows per micro-batch")
+    pad_token_id: int | None = None
+
+
+class OptimSpec(_Strict):
+    lr: float = Field(6e-4, gt=0)
+    warmup_ratio: float = Field(0.04, ge=0, le=1)
+    min_lr_ratio: float = Field(0.0, ge=0, le=1)
+    weight_decay: float = Field(0.0, ge=0)
+    betas: tuple[float, float] = (0.9, 0.95)
+    grad_clip: float = Field(1.0, gt=0)
+
+
+class TrainConfig(_Strict):
+    drafter: DrafterSpec = DrafterSpec()
+    data: DataSpec = DataSpec()
+    optim: OptimSpec = OptimSpec()
+    num_anchors: int = Field(512, ge=1, description="anchors sampled per row")
+    gamma: float | None = Field(None, gt=0, description="slot weight decay; by block size when unset")
+    epochs: int = Field(6, ge=1)
+    max_steps: int | None = Field(None, ge=1, description="stop after this many optimizer steps")
+    grad_accum: int = Field(1, ge=1)
+    log_every: int = Field(10, ge=1)
+    save_every: int | None = Field(None, ge=1)
+    seed: int = 0
+    compile: bool | None = Field(None, description="torch.compile flex_attention; default: on GPU")
+    attention: str = Field(
+        "auto",
+        pattern="^(auto|flex|dense)$",
+        description="flex_attention block mask (GPU), dense SDPA mask (CPU: flex has no CPU backward); auto by device",
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> TrainConfig:
+        if self.drafter.target_layer_ids is not None and not self.drafter.target_layer_ids:
+            raise ValueError("drafter.target_layer_ids is empty")
+        if self.data.seq_len < self.drafter.block_size:
+            raise ValueError("data.seq_len must be at least drafter.block_size")
+        return self
+
+
+PRESETS: dict[str, dict[str, Any]] = {
+    "default": {},
+    "tiny_cpu": {
+        "drafter": {"num_layers": 2, "num_taps": 2},
+        "data": {"seq_len": 256, "rows_per_batch": 4},
+        "num_anchors": 32,
+        "optim": {"lr": 3e-3, "warmup_ratio": 0.05},
+        "epochs": 4,
+        "log_every": 10,
+    },
+    "qwen3_8b_h200": {
+        "drafter": {"num_layers": 5, "num_taps": 5},
+        "data": {"seq_len": 3072, "rows_per_batch": 1},
+        "num_anchors": 512,
+    },
+}
+
+
+def _merge(base: dict, over: dict) -> dict:
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def resolve_config(preset: str = "default", yaml_path: Path | None = None, **overrides: Any) -> TrainConfig:
+    """preset < YAML file < overrides (dotted keys such as `optim.lr`); None overrides are ignored."""
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
+    raw = dict(PRESETS[preset])
+    if yaml_path is not None:
+        loaded = yaml.safe_load(Path(yaml_path).read_text()) or {}
+        if not isinstance(loaded, dict):
+            raise ValueError(f"{yaml_path}: expected a mapping at the top level")
+        raw = _merge(raw, loaded)
+    for key, value in overrides.items():
+        if value is None:
+            continue
+        *parents, leaf = key.split(".")
+        node = raw
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = value
+    try:
+        return TrainConfig.model_validate(raw)
+    except ValidationError as e:
+        where = f" in {yaml_path}" if yaml_path else ""
+        raise ValueError(f"invalid config{where}:\n{e}") from None
+
+
+def save_config(cfg: TrainConfig, path: Path, extra: dict | None = None) -> None:
+    data = cfg.model_dump(mode="json")
+    if extra:
+        data = {**extra, **data}
+    Path(path).write_text(yaml.safe_dump(data, sort_keys=False))

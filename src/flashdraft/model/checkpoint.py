@@ -1,0 +1,115 @@
+"""Drafter checkpoints in the z-lab layout (dflash.md section 4), written atomically.
+
+The directory holds config.json and model.safetensors exactly as SGLang, vLLM and the reference
+`dflash` package load them. Directories are written under a temporary name and renamed when
+complete, so a checkpoint is complete or absent; RUN/checkpoints/LATEST moves last.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import Qwen3Config
+
+from flashdraft.model.drafter import DFlashDrafter
+
+WEIGHTS = "model.safetensors"
+CONFIG = "config.json"
+LATEST = "LATEST"
+
+
+def zlab_config(drafter: DFlashDrafter) -> dict:
+    cfg = drafter.config
+    out = cfg.to_dict()
+    for key in ("target_layer_ids", "mask_token_id", "block_size", "num_target_layers"):
+        out.pop(key, None)
+    out.update(
+        architectures=["DFlashDraftModel"],
+        model_type="qwen3",
+        tie_word_embeddings=False,
+        torch_dtype="bfloat16",
+        rope_theta=cfg.rope_parameters["rope_theta"],
+        layer_types=["full_attention"] * cfg.num_hidden_layers,
+        num_target_layers=int(cfg.num_target_layers),
+        block_size=int(cfg.block_size),
+        dflash_config={
+            "mask_token_id": int(cfg.mask_token_id),
+            "target_layer_ids": [int(i) for i in cfg.target_layer_ids],
+            "block_size": int(cfg.block_size),
+        },
+    )
+    out.pop("dtype", None)
+    return out
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_zlab(drafter: DFlashDrafter, out_dir: Path, dtype: torch.dtype = torch.bfloat16) -> None:
+    """Write config.json + model.safetensors into an existing directory (fsynced)."""
+    state = {k: v.detach().to("cpu", dtype).contiguous() for k, v in drafter.state_dict().items()}
+    save_file(state, str(out_dir / WEIGHTS), metadata={"format": "pt"})
+    (out_dir / CONFIG).write_text(json.dumps(zlab_config(drafter), indent=2, sort_keys=True))
+    for name in (WEIGHTS, CONFIG):
+        with open(out_dir / name, "rb") as f:
+            os.fsync(f.fileno())
+
+
+def save_checkpoint(drafter: DFlashDrafter, ckpt_root: Path, step: int, extra_files: dict | None = None) -> Path:
+    """RUN/checkpoints/step_NNNNNN, complete or absent; then LATEST names it."""
+    ckpt_root.mkdir(parents=True, exist_ok=True)
+    name = f"step_{step:06d}"
+    final = ckpt_root / name
+    tmp = ckpt_root / f".tmp-{name}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    write_zlab(drafter, tmp)
+    for fname, writer in (extra_files or {}).items():
+        writer(tmp / fname)
+    _fsync_dir(tmp)
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    latest_tmp = ckpt_root / f".{LATEST}.tmp"
+    latest_tmp.write_text(name + "\n")
+    os.replace(latest_tmp, ckpt_root / LATEST)
+    _fsync_dir(ckpt_root)
+    return final
+
+
+def latest_checkpoint(ckpt_root: Path) -> Path | None:
+    marker = ckpt_root / LATEST
+    if not marker.exists():
+        return None
+    return ckpt_root / marker.read_text().strip()
+
+
+def load_drafter(ckpt_dir: str | Path, device: str | torch.device = "cpu", dtype=torch.float32) -> DFlashDrafter:
+    """Rebuild a DFlashDrafter from a z-lab directory (ours or any engine-ready one)."""
+    ckpt_dir = Path(ckpt_dir)
+    raw = json.loads((ckpt_dir / CONFIG).read_text())
+    dflash = raw.get("dflash_config") or {}
+    missing = [k for k in ("mask_token_id", "target_layer_ids") if k not in dflash]
+    if missing:
+        raise ValueError(f"{ckpt_dir / CONFIG}: dflash_config lacks {missing}")
+    fields = {k: v for k, v in raw.items() if k not in ("dflash_config", "architectures", "torch_dtype")}
+    fields.setdefault("rope_parameters", {"rope_type": "default", "rope_theta": raw.get("rope_theta", 1e6)})
+    cfg = Qwen3Config(**fields)
+    cfg.target_layer_ids = list(dflash["target_layer_ids"])
+    cfg.mask_token_id = int(dflash["mask_token_id"])
+    cfg.block_size = int(dflash.get("block_size", raw.get("block_size", 16)))
+    cfg.num_target_layers = int(raw["num_target_layers"])
+    drafter = DFlashDrafter(cfg)
+    state = load_file(str(ckpt_dir / WEIGHTS))
+    drafter.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=True)
+    return drafter.to(device)

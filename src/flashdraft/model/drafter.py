@@ -1,0 +1,234 @@
+"""The DFlash drafter: a few Qwen3 layers that draft a block of tokens in one non-causal pass.
+
+Built from transformers' Qwen3 pieces (RMSNorm, SwiGLU MLP, rotary embedding). Only the attention
+is written here, because DFlash's KV injection has no counterpart in transformers: queries come
+from the block alone, while keys and values are the context (fused target features) and the block,
+projected by the SAME k_proj/v_proj, with k_norm and RoPE at absolute positions on every key.
+
+The module holds exactly the weights of the z-lab checkpoint layout (layers.*, fc, hidden_norm,
+norm): the target's embedding and lm_head are used by the caller and never owned here. It never
+imports torch.distributed; parallelism and compilation are applied from outside.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
+from transformers import Qwen3Config
+from transformers.models.qwen3.modeling_qwen3 import (
+    Qwen3MLP,
+    Qwen3RMSNorm,
+    Qwen3RotaryEmbedding,
+    rotate_half,
+)
+
+# Compiled once at module level (design.md): every call site shares one compiled kernel.
+_compiled_flex_attention = torch.compile(flex_attention, dynamic=False)
+
+
+def default_target_layer_ids(num_target_layers: int, num_taps: int) -> list[int]:
+    """N target layers spread evenly from 1 to L-3 (rounded); the middle layer when N = 1."""
+    if num_taps < 1:
+        raise ValueError(f"num_taps must be >= 1, got {num_taps}")
+    if num_taps == 1:
+        return [num_target_layers // 2]
+    start, end = 1, num_target_layers - 3
+    span = end - start
+    ids = [round(start + i * span / (num_taps - 1)) for i in range(num_taps)]
+    if len(set(ids)) != num_taps:
+        raise ValueError(
+            f"a target of {num_target_layers} layers has no {num_taps} distinct layers in 1..L-3: "
+            "tap fewer layers or give target_layer_ids"
+        )
+    return ids
+
+
+@dataclass
+class Visibility:
+    """Which keys each query may see: a flex BlockMask, a dense bool mask [b, 1, Q, K], or None (all)."""
+
+    mask: BlockMask | torch.Tensor | None = None
+    compiled: bool = False
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x: [b, h, n, d]; cos/sin: [b, n, d]
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return x * cos + rotate_half(x) * sin
+
+
+class DFlashAttention(nn.Module):
+    def __init__(self, config: Qwen3Config):
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        hidden = config.hidden_size
+        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=config.attention_bias)
+        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=config.attention_bias)
+        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=config.attention_bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=config.attention_bias)
+        self.q_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        self.k_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+
+    def _heads(self, x: torch.Tensor, n_heads: int) -> torch.Tensor:
+        return x.view(*x.shape[:2], n_heads, self.head_dim)
+
+    def context_kv(
+        self, context: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """K/V of context rows [b, S, D] -> two [b, h_kv, S, d] (normed, rotated keys)."""
+        k = self.k_norm(self._heads(self.k_proj(context), self.num_kv_heads)).transpose(1, 2)
+        v = self._heads(self.v_proj(context), self.num_kv_heads).transpose(1, 2)
+        return _rope(k, cos, sin), v
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        block_rope: tuple[torch.Tensor, torch.Tensor],
+        ctx_kv: tuple[torch.Tensor, torch.Tensor],
+        visibility: Visibility,
+    ) -> torch.Tensor:
+        cos, sin = block_rope
+        q = self.q_norm(self._heads(self.q_proj(x), self.num_heads)).transpose(1, 2)
+        q = _rope(q, cos, sin)
+        k_blk, v_blk = self.context_kv(x, cos, sin)
+        k = torch.cat([ctx_kv[0], k_blk], dim=2)
+        v = torch.cat([ctx_kv[1], v_blk], dim=2)
+        mask = visibility.mask
+        if isinstance(mask, BlockMask):
+            attend = _compiled_flex_attention if visibility.compiled else flex_attention
+            out = attend(q, k, v, block_mask=mask, enable_gqa=self.num_heads != self.num_kv_heads)
+        else:
+            out = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, enable_gqa=self.num_heads != self.num_kv_heads
+            )
+        out = out.transpose(1, 2).reshape(*x.shape[:2], self.num_heads * self.head_dim)
+        return self.o_proj(out)
+
+
+class DFlashLayer(nn.Module):
+    """Pre-norm Qwen3 block whose attention also reads the context's keys and values."""
+
+    def __init__(self, config: Qwen3Config):
+        super().__init__()
+        self.self_attn = DFlashAttention(config)
+        self.mlp = Qwen3MLP(config)
+        self.input_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(self, x, block_rope, ctx_kv, visibility: Visibility) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), block_rope, ctx_kv, visibility)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DFlashDrafter(nn.Module):
+    """DFlash drafter (dflash.md section 1).
+
+    config: a Qwen3Config of the drafter with the DFlash fields `target_layer_ids`,
+    `num_target_layers`, `block_size` and `mask_token_id` set as attributes.
+    """
+
+    def __init__(self, config: Qwen3Config):
+        super().__init__()
+        self.config = config
+        self.target_layer_ids = list(config.target_layer_ids)
+        self.block_size = int(config.block_size)
+        self.mask_token_id = int(config.mask_token_id)
+        self.layers = nn.ModuleList(DFlashLayer(config) for _ in range(config.num_hidden_layers))
+        self.norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.fc = nn.Linear(len(self.target_layer_ids) * config.hidden_size, config.hidden_size, bias=False)
+        self.hidden_norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.rotary_emb = Qwen3RotaryEmbedding(config)
+
+    def fuse(self, target_features: torch.Tensor) -> torch.Tensor:
+        """Tapped target layers concatenated on the feature axis [b, S, N*D] -> context rows [b, S, D]."""
+        return self.hidden_norm(self.fc(target_features))
+
+    def context_kv(self, context: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, ...]]:
+        """Per-layer (K, V) of fused context rows at their absolute positions; what a KV cache keeps."""
+        cos, sin = self.rotary_emb(context, positions)
+        return [layer.self_attn.context_kv(context, cos, sin) for layer in self.layers]
+
+    def forward(
+        self,
+        block_embeds: torch.Tensor,
+        block_positions: torch.Tensor,
+        ctx_kv: list[tuple[torch.Tensor, torch.Tensor]],
+        visibility: Visibility,
+    ) -> torch.Tensor:
+        """Hidden states [b, Q, D] (after the final norm) of the block queries.
+
+        block_embeds: target embeddings of the block tokens [b, Q, D]; block_positions [b, Q];
+        ctx_kv: from `context_kv`; visibility: over keys [context | block].
+        """
+        rope = self.rotary_emb(block_embeds, block_positions)
+        x = block_embeds
+        for layer, kv in zip(self.layers, ctx_kv, strict=True):
+            x = layer(x, rope, kv, visibility)
+        return self.norm(x)
+
+    def draft_hidden(
+        self,
+        block_embeds: torch.Tensor,
+        block_positions: torch.Tensor,
+        target_features: torch.Tensor,
+        ctx_positions: torch.Tensor,
+        visibility: Visibility,
+    ) -> torch.Tensor:
+        """Fuse the target features, project them to K/V in every layer and run the block."""
+        ctx_kv = self.context_kv(self.fuse(target_features), ctx_positions)
+        return self(block_embeds, block_positions, ctx_kv, visibility)
+
+
+def drafter_config(
+    target_config,
+    num_layers: int,
+    target_layer_ids: list[int] | None,
+    num_taps: int,
+    block_size: int,
+    mask_token_id: int,
+    intermediate_size: int | None = None,
+) -> Qwen3Config:
+    """The drafter's Qwen3Config: attention and width shapes follow the target (it reuses the target's
+    embedding and lm_head, so the hidden size must match)."""
+    head_dim = getattr(target_config, "head_dim", None) or (
+        target_config.hidden_size // target_config.num_attention_heads
+    )
+    n_target = target_config.num_hidden_layers
+    ids = list(target_layer_ids) if target_layer_ids else default_target_layer_ids(n_target, num_taps)
+    bad = [i for i in ids if not 0 <= i < n_target]
+    if bad:
+        raise ValueError(f"target_layer_ids {bad} outside the target's {n_target} layers")
+    rope_theta = _rope_theta(target_config)
+    cfg = Qwen3Config(
+        vocab_size=target_config.vocab_size,
+        hidden_size=target_config.hidden_size,
+        intermediate_size=intermediate_size or target_config.intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=target_config.num_attention_heads,
+        num_key_value_heads=target_config.num_key_value_heads,
+        head_dim=head_dim,
+        rms_norm_eps=target_config.rms_norm_eps,
+        max_position_embeddings=target_config.max_position_embeddings,
+        rope_parameters={"rope_type": "default", "rope_theta": rope_theta},
+        attention_bias=False,
+        tie_word_embeddings=False,
+    )
+    cfg.target_layer_ids = ids
+    cfg.num_target_layers = n_target
+    cfg.block_size = block_size
+    cfg.mask_token_id = mask_token_id
+    return cfg
+
+
+def _rope_theta(config) -> float:
+    params = getattr(config, "rope_parameters", None) or {}
+    theta = params.get("rope_theta", getattr(config, "rope_theta", None))
+    if theta is None:
+        raise ValueError("target config has no rope_theta")
+    return float(theta)

@@ -1,0 +1,176 @@
+"""DFlash training semantics (dflash.md section 2): anchors, visibility, labels, loss weights.
+
+A packed batch row holds whole documents: input_ids, loss_mask, position_ids (restarting at 0 in
+every document) and doc_ids (-1 on padding), all [b, S]. For each row we sample anchors; block j
+is [token at anchor_j, MASK x (B-1)] at positions pos(anchor_j) + 0..B-1, and slot k predicts the
+token at anchor_j + k. Attention keys are laid out as [context (S) | block_0 | ... | block_{n-1}].
+
+Visibility is written twice on purpose: `flex_mask_mod` for flex_attention (the fast path) and
+`dense_visibility` as a plain construction from the rules (the reference path, tested against it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask
+
+# gamma of the slot weights exp(-(k-1)/gamma) by block size (dflash.md section 2).
+GAMMA_BY_BLOCK = {16: 7.0, 10: 5.0, 8: 4.0}
+
+_compiled_create_block_mask = torch.compile(create_block_mask, dynamic=False)
+
+
+def default_gamma(block_size: int) -> float:
+    if block_size not in GAMMA_BY_BLOCK:
+        raise ValueError(
+            f"no published gamma for block size {block_size} (known: {sorted(GAMMA_BY_BLOCK)}); set loss.gamma"
+        )
+    return GAMMA_BY_BLOCK[block_size]
+
+
+def slot_weights(block_size: int, gamma: float, device=None) -> torch.Tensor:
+    """w_k = exp(-(k-1)/gamma) for k = 1..B-1, and 0 for slot 0 (the anchor is not predicted)."""
+    k = torch.arange(block_size, device=device, dtype=torch.float32)
+    w = torch.exp(-(k - 1) / gamma)
+    w[0] = 0.0
+    return w
+
+
+@dataclass
+class Anchors:
+    index: torch.Tensor  # [b, n] row index of each anchor (0 where invalid), sorted within a row
+    valid: torch.Tensor  # [b, n] bool: False marks a padding block
+
+
+def anchor_candidates(loss_mask: torch.Tensor, doc_ids: torch.Tensor, block_size: int) -> torch.Tensor:
+    """[b, S] bool: loss_mask = 1 at the anchor and the whole block stays inside its document."""
+    b, s = loss_mask.shape
+    last = torch.arange(s, device=loss_mask.device) + block_size - 1
+    fits = last < s
+    end_doc = doc_ids.gather(1, last.clamp(max=s - 1).expand(b, s))
+    return (loss_mask > 0) & fits & (end_doc == doc_ids) & (doc_ids >= 0)
+
+
+def sample_anchors(
+    loss_mask: torch.Tensor,
+    doc_ids: torch.Tensor,
+    block_size: int,
+    num_anchors: int,
+    generator: torch.Generator | None = None,
+) -> Anchors:
+    """Up to `num_anchors` distinct candidate positions per row, uniformly at random, sorted.
+
+    Rows with fewer candidates get padding blocks (valid False, index 0).
+    """
+    cand = anchor_candidates(loss_mask, doc_ids, block_size)
+    b, s = cand.shape
+    n = min(num_anchors, s)
+    # Drawn on the CPU generator, so a run's anchors do not depend on the device.
+    scores = torch.rand(b, s, generator=generator).to(cand.device).masked_fill(~cand, 2.0)
+    chosen_scores, idx = scores.topk(n, dim=1, largest=False)
+    valid = chosen_scores < 2.0
+    idx = idx.masked_fill(~valid, s)
+    idx, order = idx.sort(dim=1)
+    valid = valid.gather(1, order)
+    idx = idx.masked_fill(~valid, 0)
+    if num_anchors > n:  # more anchors asked than positions: pad to the fixed anchor count
+        pad = num_anchors - n
+        idx = torch.cat([idx, idx.new_zeros(b, pad)], 1)
+        valid = torch.cat([valid, valid.new_zeros(b, pad)], 1)
+    return Anchors(idx, valid)
+
+
+@dataclass
+class Blocks:
+    """Everything the drafter and the loss need about the blocks of a batch."""
+
+    input_ids: torch.Tensor  # [b, n*B] block tokens: anchor token then MASK
+    positions: torch.Tensor  # [b, n*B] absolute positions
+    labels: torch.Tensor  # [b, n, B] token at anchor + k
+    weights: torch.Tensor  # [b, n, B] w_k * loss_mask(label) * valid, 0 at slot 0
+
+
+def make_blocks(
+    input_ids: torch.Tensor,
+    loss_mask: torch.Tensor,
+    position_ids: torch.Tensor,
+    anchors: Anchors,
+    block_size: int,
+    mask_token_id: int,
+    gamma: float,
+) -> Blocks:
+    b, s = input_ids.shape
+    n = anchors.index.shape[1]
+    k = torch.arange(block_size, device=input_ids.device)
+    label_idx = (anchors.index[:, :, None] + k).clamp(max=s - 1)  # [b, n, B]
+    flat = label_idx.view(b, -1)
+    labels = input_ids.gather(1, flat).view(b, n, block_size)
+    label_mask = loss_mask.gather(1, flat).view(b, n, block_size).float()
+    w = slot_weights(block_size, gamma, device=input_ids.device)
+    weights = w * label_mask * anchors.valid[:, :, None].float()
+    block_ids = torch.full((b, n, block_size), mask_token_id, dtype=input_ids.dtype, device=input_ids.device)
+    block_ids[:, :, 0] = labels[:, :, 0]
+    positions = position_ids.gather(1, anchors.index)[:, :, None] + k
+    return Blocks(block_ids.view(b, -1), positions.view(b, -1), labels, weights)
+
+
+def flex_mask_mod(anchors: Anchors, doc_ids: torch.Tensor, block_size: int):
+    """mask_mod for flex_attention over keys [context (S) | blocks (n*B)]."""
+    s = doc_ids.shape[1]
+    index, valid = anchors.index, anchors.valid
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        j = q_idx // block_size
+        anchor = index[b, j]
+        in_ctx = kv_idx < s
+        ctx_kv = torch.clamp(kv_idx, max=s - 1)
+        sees_ctx = in_ctx & (kv_idx < anchor) & (doc_ids[b, ctx_kv] == doc_ids[b, anchor])
+        sees_own_block = ~in_ctx & ((kv_idx - s) // block_size == j)
+        return valid[b, j] & (sees_ctx | sees_own_block)
+
+    return mask_mod
+
+
+def flex_block_mask(anchors: Anchors, doc_ids: torch.Tensor, block_size: int, compiled: bool) -> BlockMask:
+    b, s = doc_ids.shape
+    q_len = anchors.index.shape[1] * block_size
+    build = _compiled_create_block_mask if compiled else create_block_mask
+    return build(
+        flex_mask_mod(anchors, doc_ids, block_size),
+        B=b,
+        H=None,
+        Q_LEN=q_len,
+        KV_LEN=s + q_len,
+        device=doc_ids.device,
+    )
+
+
+def dense_visibility(anchors: Anchors, doc_ids: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Reference: bool [b, 1, n*B, S + n*B], built block by block from the rules."""
+    b, s = doc_ids.shape
+    n = anchors.index.shape[1]
+    q_len = n * block_size
+    mask = torch.zeros(b, 1, q_len, s + q_len, dtype=torch.bool, device=doc_ids.device)
+    for r in range(b):
+        for j in range(n):
+            if not anchors.valid[r, j]:
+                continue
+            a = int(anchors.index[r, j])
+            rows = slice(j * block_size, (j + 1) * block_size)
+            same_doc_before = doc_ids[r, :a] == doc_ids[r, a]  # strictly before the anchor
+            mask[r, 0, rows, :a] = same_doc_before
+            mask[r, 0, rows, s + j * block_size : s + (j + 1) * block_size] = True
+    return mask
+
+
+def packed_causal_mask(doc_ids: torch.Tensor) -> torch.Tensor:
+    """bool [b, 1, S, S] for the target: causal within a document. Padding attends to itself only
+    (a row with no key would give NaN in some attention kernels)."""
+    s = doc_ids.shape[1]
+    causal = torch.ones(s, s, dtype=torch.bool, device=doc_ids.device).tril()
+    same = doc_ids[:, :, None] == doc_ids[:, None, :]
+    eye = torch.eye(s, dtype=torch.bool, device=doc_ids.device)
+    return ((same & causal & (doc_ids[:, :, None] >= 0)) | eye)[:, None]
+

@@ -1,0 +1,56 @@
+"""Gamma-weighted block cross-entropy through the frozen lm_head, with per-slot accuracy.
+
+Logits are computed chunk by chunk under activation checkpointing, so a 151,936-wide vocabulary
+never materialises logits for all draft positions at once (forward or backward).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+
+@dataclass
+class BlockLoss:
+    weighted_ce: torch.Tensor  # sum over positions of w * ce (not yet normalised)
+    correct: torch.Tensor  # [B] argmax hits per slot (label positions with loss mask only)
+    counted: torch.Tensor  # [B] label positions per slot
+
+
+def _chunk_ce(h: torch.Tensor, w_head: torch.Tensor, labels: torch.Tensor):
+    logits = (h @ w_head.t()).float()
+    return F.cross_entropy(logits, labels, reduction="none"), logits.argmax(-1)
+
+
+def block_loss(
+    hidden: torch.Tensor,
+    lm_head_weight: torch.Tensor,
+    labels: torch.Tensor,
+    weights: torch.Tensor,
+    chunk_rows: int = 8192,
+) -> BlockLoss:
+    """hidden [b, n*B, D] -> weighted CE over slots with weight > 0.
+
+    labels, weights: [b, n, B]; weights already include slot decay, loss mask and block validity.
+    """
+    b, n, bs = labels.shape
+    h = hidden.reshape(b * n * bs, -1)
+    y = labels.reshape(-1)
+    w = weights.reshape(-1)
+    total = hidden.new_zeros((), dtype=torch.float32)
+    correct = torch.zeros(bs, device=hidden.device)
+    slot = torch.arange(bs, device=hidden.device).repeat(b * n)
+    counted = torch.zeros(bs, device=hidden.device).index_add_(0, slot, (w > 0).float())
+    for start in range(0, h.shape[0], chunk_rows):
+        sl = slice(start, start + chunk_rows)
+        hc, yc, wc = h[sl], y[sl], w[sl]
+        if torch.is_grad_enabled() and hc.requires_grad:
+            ce, pred = checkpoint(_chunk_ce, hc, lm_head_weight, yc, use_reentrant=False)
+        else:
+            ce, pred = _chunk_ce(hc, lm_head_weight, yc)
+        total = total + (ce * wc).sum()
+        correct.index_add_(0, slot[sl], ((pred == yc) & (wc > 0)).float())
+    return BlockLoss(total, correct, counted)

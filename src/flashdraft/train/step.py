@@ -1,0 +1,67 @@
+"""One training micro-step: target features -> blocks -> drafter forward -> weighted block loss."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from flashdraft.data.packing import PackedBatch
+from flashdraft.model.drafter import DFlashDrafter, Visibility
+from flashdraft.model.target import Target
+from flashdraft.train.blocks import (
+    Anchors,
+    Blocks,
+    dense_visibility,
+    flex_block_mask,
+    make_blocks,
+    packed_causal_mask,
+    sample_anchors,
+)
+from flashdraft.train.loss import BlockLoss, block_loss
+
+
+@dataclass
+class MicroBatch:
+    batch: PackedBatch
+    anchors: Anchors
+    blocks: Blocks
+
+
+def plan_micro_batch(
+    batch: PackedBatch,
+    num_anchors: int,
+    block_size: int,
+    mask_token_id: int,
+    gamma: float,
+    generator: torch.Generator,
+) -> MicroBatch:
+    anchors = sample_anchors(batch.loss_mask, batch.doc_ids, block_size, num_anchors, generator)
+    blocks = make_blocks(
+        batch.input_ids, batch.loss_mask, batch.position_ids, anchors, block_size, mask_token_id, gamma
+    )
+    return MicroBatch(batch, anchors, blocks)
+
+
+def visibility_for(mb: MicroBatch, block_size: int, attention: str, compiled: bool) -> Visibility:
+    if attention == "flex":
+        return Visibility(flex_block_mask(mb.anchors, mb.batch.doc_ids, block_size, compiled), compiled)
+    return Visibility(dense_visibility(mb.anchors, mb.batch.doc_ids, block_size))
+
+
+def target_features(target: Target, batch: PackedBatch) -> torch.Tensor:
+    return target.features(batch.input_ids, batch.position_ids, packed_causal_mask(batch.doc_ids))
+
+
+def micro_step_loss(
+    drafter: DFlashDrafter, target: Target, mb: MicroBatch, attention: str = "flex", compiled: bool = False
+) -> BlockLoss:
+    """Forward of one micro-batch; the caller normalises `weighted_ce` by the step's weight sum."""
+    feats = target_features(target, mb.batch)
+    with torch.no_grad():
+        block_embeds = target.embed_tokens(mb.blocks.input_ids)
+    vis = visibility_for(mb, drafter.block_size, attention, compiled)
+    hidden = drafter.draft_hidden(
+        block_embeds.to(feats.dtype), mb.blocks.positions, feats, mb.batch.position_ids, vis
+    )
+    return block_loss(hidden, target.lm_head.weight, mb.blocks.labels, mb.blocks.weights)

@@ -1,0 +1,20 @@
+"""Shared tiny fixtures: a tokenizer and a Qwen3 target built locally (nothing downloaded)."""
+
+import pytest
+import torch
+
+from flashdraft.demo.tiny import build_tiny_target, build_tokenizer, save_target, stdlib_files
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer():
+    texts = [p.read_text(errors="replace") for p in stdlib_files(limit=30)]
+    return build_tokenizer(texts, vocab_size=384)
+
+
+@pytest.fixture(scope="session")
+def tiny_target_dir(tmp_path_factory, tiny_tokenizer):
+    """An HF model directory (random tiny Qwen3, 6 layers, hidden 64) with its tokenizer."""
+    torch.manual_seed(0)
+    model = build_tiny_target(tiny_tokenizer)
+    return save_target(model, tiny_tokenizer, tmp_path_factory.mktemp("target"))
