@@ -59,7 +59,7 @@ class TrainConfig(_Strict):
     attention: str = Field(
         "auto",
         pattern="^(auto|flex|dense)$",
-        description="flex_attention block mask (GPU), dense SDPA mask (CPU: flex has no CPU backward); auto by device",
+        description="flex (GPU) or the dense SDPA reference (CPU: flex has no CPU backward); auto by device",
     )
 
     @model_validator(mode="after")

@@ -65,7 +65,9 @@ def write_zlab(drafter: DFlashDrafter, out_dir: Path, dtype: torch.dtype = torch
             os.fsync(f.fileno())
 
 
-def save_checkpoint(drafter: DFlashDrafter, ckpt_root: Path, step: int, extra_files: dict | None = None) -> Path:
+def save_checkpoint(
+    drafter: DFlashDrafter, ckpt_root: Path, step: int, extra_files: dict | None = None
+) -> Path:
     """RUN/checkpoints/step_NNNNNN, complete or absent; then LATEST names it."""
     ckpt_root.mkdir(parents=True, exist_ok=True)
     name = f"step_{step:06d}"
@@ -94,7 +96,9 @@ def latest_checkpoint(ckpt_root: Path) -> Path | None:
     return ckpt_root / marker.read_text().strip()
 
 
-def load_drafter(ckpt_dir: str | Path, device: str | torch.device = "cpu", dtype=torch.float32) -> DFlashDrafter:
+def load_drafter(
+    ckpt_dir: str | Path, device: str | torch.device = "cpu", dtype=torch.float32
+) -> DFlashDrafter:
     """Rebuild a DFlashDrafter from a z-lab directory (ours or any engine-ready one)."""
     ckpt_dir = Path(ckpt_dir)
     raw = json.loads((ckpt_dir / CONFIG).read_text())

@@ -24,9 +24,8 @@ _compiled_create_block_mask = torch.compile(create_block_mask, dynamic=False)
 
 def default_gamma(block_size: int) -> float:
     if block_size not in GAMMA_BY_BLOCK:
-        raise ValueError(
-            f"no published gamma for block size {block_size} (known: {sorted(GAMMA_BY_BLOCK)}); set loss.gamma"
-        )
+        known = sorted(GAMMA_BY_BLOCK)
+        raise ValueError(f"no published gamma for block size {block_size} (known: {known}); set gamma")
     return GAMMA_BY_BLOCK[block_size]
 
 
@@ -173,4 +172,3 @@ def packed_causal_mask(doc_ids: torch.Tensor) -> torch.Tensor:
     same = doc_ids[:, :, None] == doc_ids[:, None, :]
     eye = torch.eye(s, dtype=torch.bool, device=doc_ids.device)
     return ((same & causal & (doc_ids[:, :, None] >= 0)) | eye)[:, None]
-

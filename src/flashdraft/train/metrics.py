@@ -12,8 +12,8 @@ class MetricsLogger:
         self.run_dir = Path(run_dir)
         self.total_steps = total_steps
         self.start = time.time()
-        self.log_file = open(self.run_dir / "train.log", "a")
-        self.jsonl = open(self.run_dir / "metrics.jsonl", "a")
+        self.log_file = open(self.run_dir / "train.log", "a")  # noqa: SIM115 (open for the run)
+        self.jsonl = open(self.run_dir / "metrics.jsonl", "a")  # noqa: SIM115
         self.tb = None
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter

@@ -69,7 +69,9 @@ class TrainResult:
 
 def build_drafter(cfg: TrainConfig, model, tokenizer, device) -> DFlashDrafter:
     spec = cfg.drafter
-    mask_id = resolve_mask_token_id(tokenizer, model.get_input_embeddings().num_embeddings, spec.mask_token_id)
+    mask_id = resolve_mask_token_id(
+        tokenizer, model.get_input_embeddings().num_embeddings, spec.mask_token_id
+    )
     dcfg = drafter_config(
         model.config,
         num_layers=spec.num_layers,
@@ -96,7 +98,9 @@ def init_drafter_(drafter: DFlashDrafter, std: float, seed: int) -> None:
 
 
 class Trainer:
-    def __init__(self, cfg: TrainConfig, target_path: str, data_dir: str, out_dir: str, device: str | None = None):
+    def __init__(
+        self, cfg: TrainConfig, target_path: str, data_dir: str, out_dir: str, device: str | None = None
+    ):
         self.cfg = cfg
         self.out = Path(out_dir)
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -173,7 +177,7 @@ class Trainer:
         return {
             "loss": float(loss_sum / weight_sum),
             "acc_slot1": float(acc[0]),
-            "acc_mean": float((correct[1:].sum() / counted[1:].sum().clamp(min=1))),
+            "acc_mean": float(correct[1:].sum() / counted[1:].sum().clamp(min=1)),
             "acc_per_slot": [round(float(a), 4) for a in acc],
             "grad_norm": float(grad_norm),
             "ctx_tokens": sum(mb.batch.num_tokens for mb in micro),

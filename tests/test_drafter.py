@@ -1,0 +1,104 @@
+"""The drafter and the target wrapper: attention paths, leakage, training vs inference form."""
+
+import pytest
+import torch
+
+from flashdraft.model.drafter import Visibility
+from flashdraft.model.target import Target
+from flashdraft.train.blocks import Anchors, make_blocks
+from flashdraft.train.step import plan_micro_batch, target_features, visibility_for
+from helpers import BLOCK, GAMMA, MASK_ID, packed_batch, target_and_drafter, tiny_target
+
+
+def _block_logits(target, drafter, batch, anchors, attention="dense", features=None, block_embeds=None):
+    """Logits [b, n*B, V] of every block (training form, many blocks under one mask)."""
+    blocks = make_blocks(batch.input_ids, batch.loss_mask, batch.position_ids, anchors, BLOCK, MASK_ID, GAMMA)
+    feats = target_features(target, batch) if features is None else features
+    embeds = target.embed_tokens(blocks.input_ids) if block_embeds is None else block_embeds
+    from flashdraft.train.step import MicroBatch
+
+    vis = visibility_for(MicroBatch(batch, anchors, blocks), BLOCK, attention, compiled=False)
+    with torch.no_grad():
+        hidden = drafter.draft_hidden(embeds, blocks.positions, feats, batch.position_ids, vis)
+        return target.lm_head(hidden)
+
+
+def test_target_features_are_the_outputs_of_the_tapped_layers():
+    full = tiny_target()
+    ids = torch.randint(0, 90, (2, 24))
+    with torch.no_grad():
+        hs = full(ids, output_hidden_states=True).hidden_states
+    target = Target(tiny_target(), [1, 3], truncate=True)
+    assert len(target.model.model.layers) == 4  # nothing after the last tapped layer is kept
+    feats = target.features(ids)
+    torch.testing.assert_close(feats, torch.cat([hs[2], hs[4]], -1))  # output of layer i = hs[i + 1]
+
+
+def test_packed_target_features_equal_each_document_alone():
+    target, _ = target_and_drafter()
+    batch = packed_batch([[20, 30]], seq_len=64)
+    feats = target_features(target, batch)
+    second = batch.input_ids[:, 20:50]
+    alone = target.features(second)
+    torch.testing.assert_close(feats[:, 20:50], alone, atol=1e-5, rtol=1e-5)
+
+
+def test_flex_and_dense_paths_give_the_same_block_logits():
+    target, drafter = target_and_drafter()
+    batch = packed_batch([[40, 50], [90]], seq_len=96)
+    mb = plan_micro_batch(batch, 10, BLOCK, MASK_ID, GAMMA, torch.Generator().manual_seed(0))
+    dense = _block_logits(target, drafter, batch, mb.anchors, "dense")
+    flex = _block_logits(target, drafter, batch, mb.anchors, "flex")
+    valid = mb.anchors.valid.repeat_interleave(BLOCK, dim=1)
+    torch.testing.assert_close(flex[valid], dense[valid], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("attention", ["dense", "flex"])
+def test_no_leakage_from_features_at_or_after_the_anchor_or_other_blocks(attention):
+    target, drafter = target_and_drafter()
+    batch = packed_batch([[80]], seq_len=80)
+    anchors = Anchors(torch.tensor([[20, 45, 60]]), torch.tensor([[True, True, True]]))
+    feats = target_features(target, batch)
+    blocks = make_blocks(batch.input_ids, batch.loss_mask, batch.position_ids, anchors, BLOCK, MASK_ID, GAMMA)
+    embeds = target.embed_tokens(blocks.input_ids)
+    base = _block_logits(target, drafter, batch, anchors, attention, feats, embeds)
+    j, a = 1, 45
+    rows = slice(j * BLOCK, (j + 1) * BLOCK)
+
+    later = feats.clone()
+    later[:, a:] += torch.randn_like(later[:, a:])  # the anchor's own features and everything after
+    other = embeds.clone()
+    other[:, : j * BLOCK] += 1.0  # every other block's tokens
+    other[:, (j + 1) * BLOCK :] += 1.0
+    changed = _block_logits(target, drafter, batch, anchors, attention, later, other)
+    torch.testing.assert_close(changed[:, rows], base[:, rows])
+
+    earlier = feats.clone()
+    earlier[:, a - 1] += 1.0  # the last context position before the anchor
+    moved = _block_logits(target, drafter, batch, anchors, attention, earlier, embeds)
+    assert (moved[:, rows] - base[:, rows]).abs().max() > 1e-4
+
+
+def test_training_form_equals_inference_form():
+    """Many blocks under one mask give the same logits as one block with its context as K/V."""
+    target, drafter = target_and_drafter()
+    batch = packed_batch([[70]], seq_len=72)
+    anchors = Anchors(torch.tensor([[10, 33, 50]]), torch.tensor([[True, True, True]]))
+    trained = _block_logits(target, drafter, batch, anchors, "dense")
+    feats = target_features(target, batch)
+    for j, a in enumerate([10, 33, 50]):
+        block = torch.full((1, BLOCK), MASK_ID)
+        block[0, 0] = batch.input_ids[0, a]
+        positions = torch.arange(a, a + BLOCK)[None]
+        with torch.no_grad():
+            ctx_kv = drafter.context_kv(drafter.fuse(feats[:, :a]), batch.position_ids[:, :a])
+            hidden = drafter(target.embed_tokens(block), positions, ctx_kv, Visibility(None))
+            logits = target.lm_head(hidden)
+        torch.testing.assert_close(logits, trained[:, j * BLOCK : (j + 1) * BLOCK], atol=1e-5, rtol=1e-5)
+
+
+def test_drafter_state_holds_only_the_zlab_weights():
+    _, drafter = target_and_drafter()
+    names = set(drafter.state_dict())
+    assert {"fc.weight", "hidden_norm.weight", "norm.weight"} <= names
+    assert not any("embed" in n or "lm_head" in n or "rotary" in n for n in names)

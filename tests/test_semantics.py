@@ -1,0 +1,133 @@
+"""The training semantics of dflash.md section 2: anchors, visibility, labels, weights."""
+
+import math
+
+import pytest
+import torch
+from torch.nn.attention.flex_attention import create_mask
+
+from flashdraft.model.drafter import default_target_layer_ids
+from flashdraft.train.blocks import (
+    Anchors,
+    anchor_candidates,
+    default_gamma,
+    dense_visibility,
+    flex_mask_mod,
+    make_blocks,
+    sample_anchors,
+    slot_weights,
+)
+from helpers import BLOCK, GAMMA, MASK_ID, packed_batch
+
+
+def test_default_target_layer_ids_follow_the_published_rule():
+    assert default_target_layer_ids(36, 5) == [1, 9, 17, 25, 33]
+    assert default_target_layer_ids(36, 1) == [18]
+    assert default_target_layer_ids(28, 3) == [1, 13, 25]
+    with pytest.raises(ValueError, match="distinct"):
+        default_target_layer_ids(4, 3)
+
+
+def test_gamma_by_block_size():
+    assert (default_gamma(16), default_gamma(10), default_gamma(8)) == (7.0, 5.0, 4.0)
+    with pytest.raises(ValueError, match="gamma"):
+        default_gamma(12)
+
+
+def test_anchors_are_sorted_distinct_candidates_with_padding_blocks():
+    batch = packed_batch([[30, 40], [20]], seq_len=96)
+    g = torch.Generator().manual_seed(0)
+    anchors = sample_anchors(batch.loss_mask, batch.doc_ids, BLOCK, 40, g)
+    cand = anchor_candidates(batch.loss_mask, batch.doc_ids, BLOCK)
+    for r in range(2):
+        idx = anchors.index[r][anchors.valid[r]]
+        n_cand = int(cand[r].sum())
+        assert len(idx) == min(40, n_cand)
+        assert torch.all(idx[1:] > idx[:-1])  # sorted and distinct
+        assert bool(cand[r, idx].all())
+        # every block lies inside its document and is loss-masked at the anchor
+        for a in idx.tolist():
+            assert batch.loss_mask[r, a] == 1
+            assert a + BLOCK - 1 < 96
+            assert batch.doc_ids[r, a + BLOCK - 1] == batch.doc_ids[r, a]
+        assert not anchors.valid[r, len(idx) :].any()  # the rest are padding blocks
+    # row 1 has one 20-token doc: loss positions 4..19, anchors need a + 7 <= 19 -> 4..12
+    assert int(cand[1].sum()) == 9
+
+
+def test_anchors_resample_with_the_generator():
+    batch = packed_batch([[60]], seq_len=64)
+    a = sample_anchors(batch.loss_mask, batch.doc_ids, BLOCK, 8, torch.Generator().manual_seed(1))
+    b = sample_anchors(batch.loss_mask, batch.doc_ids, BLOCK, 8, torch.Generator().manual_seed(2))
+    assert not torch.equal(a.index, b.index)
+
+
+def _anchors_near_the_end(batch, n: int) -> Anchors:
+    """Random anchors per row, including the last valid one near the sequence end, plus padding."""
+    cand = anchor_candidates(batch.loss_mask, batch.doc_ids, BLOCK)
+    idx, valid = [], []
+    for r in range(cand.shape[0]):
+        pos = cand[r].nonzero().flatten()
+        pick = torch.cat([pos[torch.randperm(len(pos))[: n - 2]], pos[-1:]]).unique().sort().values
+        pad = n - len(pick)
+        idx.append(torch.cat([pick, torch.zeros(pad, dtype=torch.long)]))
+        valid.append(torch.cat([torch.ones(len(pick), dtype=torch.bool), torch.zeros(pad, dtype=torch.bool)]))
+    return Anchors(torch.stack(idx), torch.stack(valid))
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_flex_mask_equals_dense_reference_element_for_element(seed):
+    torch.manual_seed(seed)
+    batch = packed_batch([[30, 50, 16], [100], [40]], seq_len=128, seed=seed)
+    anchors = _anchors_near_the_end(batch, n=6)
+    s, n = 128, 6
+    flex = create_mask(flex_mask_mod(anchors, batch.doc_ids, BLOCK), 3, None, n * BLOCK, s + n * BLOCK, "cpu")
+    dense = dense_visibility(anchors, batch.doc_ids, BLOCK)
+    assert torch.equal(flex, dense)
+
+
+def test_dense_reference_encodes_the_visibility_rules():
+    batch = packed_batch([[20, 30]], seq_len=64)
+    anchors = Anchors(torch.tensor([[25, 10, 0]]), torch.tensor([[True, True, False]]))
+    m = dense_visibility(anchors, batch.doc_ids, BLOCK)[0, 0]
+    s = 64
+    block0 = m[0:BLOCK]
+    # anchor 25 is in doc 1 (rows 20..49): context 20..24 visible, 25 (the anchor) and doc 0 not
+    assert block0[:, 20:25].all() and not block0[:, 25:s].any() and not block0[:, :20].any()
+    assert block0[:, s : s + BLOCK].all()  # own block, bidirectional
+    assert not block0[:, s + BLOCK :].any()  # no other block
+    block1 = m[BLOCK : 2 * BLOCK]
+    assert block1[:, :10].all() and not block1[:, 10:s].any()
+    assert not m[2 * BLOCK :].any()  # padding block sees nothing
+
+
+def test_same_position_labels_and_decayed_weights():
+    seq = 64
+    batch = packed_batch([[seq]], seq_len=seq)
+    batch.input_ids = torch.arange(seq)[None]  # token id == position, so labels name their position
+    anchors = Anchors(torch.tensor([[4, 30, 0]]), torch.tensor([[True, True, False]]))
+    blocks = make_blocks(batch.input_ids, batch.loss_mask, batch.position_ids, anchors, BLOCK, MASK_ID, GAMMA)
+    for j, a in enumerate([4, 30]):
+        assert blocks.labels[0, j].tolist() == list(range(a, a + BLOCK))  # slot k -> anchor + k
+        assert blocks.input_ids[0, j * BLOCK] == a  # slot 0 holds the anchor token
+        assert (blocks.input_ids[0, j * BLOCK + 1 : (j + 1) * BLOCK] == MASK_ID).all()
+        assert blocks.positions[0, j * BLOCK : (j + 1) * BLOCK].tolist() == list(range(a, a + BLOCK))
+        w = blocks.weights[0, j]
+        assert w[0] == 0  # the anchor slot carries no loss
+        expected = [math.exp(-(k - 1) / GAMMA) for k in range(1, BLOCK)]
+        assert w[1:].tolist() == pytest.approx(expected)
+    assert (blocks.weights[0, 2] == 0).all()  # padding block
+
+
+def test_weights_follow_the_loss_mask_at_the_label_position():
+    batch = packed_batch([[40]], seq_len=40)
+    batch.loss_mask[0, 12] = 0
+    anchors = Anchors(torch.tensor([[8]]), torch.tensor([[True]]))
+    blocks = make_blocks(batch.input_ids, batch.loss_mask, batch.position_ids, anchors, BLOCK, MASK_ID, GAMMA)
+    assert blocks.weights[0, 0, 4] == 0  # label position 8 + 4 = 12 is masked
+    assert blocks.weights[0, 0, 3] > 0
+
+
+def test_slot_weights():
+    w = slot_weights(16, 7.0)
+    assert w[0] == 0 and w[1] == 1.0 and w[15] == pytest.approx(math.exp(-2.0))

@@ -1,0 +1,166 @@
+"""Training learns, checkpoints are the z-lab layout and reload, and `flashdraft train` runs end to end."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from typer.testing import CliRunner
+
+from flashdraft.cli.main import app
+from flashdraft.data.packing import save_token_dataset
+from flashdraft.model.checkpoint import latest_checkpoint, load_drafter, save_checkpoint
+from flashdraft.model.drafter import Visibility
+from flashdraft.train.step import micro_step_loss, plan_micro_batch
+from flashdraft.train.trainer import cosine_lr, resolve_mask_token_id
+from helpers import BLOCK, GAMMA, MASK_ID, packed_batch, random_docs, target_and_drafter
+
+
+def test_training_on_a_fixed_batch_halves_the_loss():
+    torch.manual_seed(0)
+    target, drafter = target_and_drafter()
+    with (
+        torch.no_grad()
+    ):  # a random lm_head at init scale (0.02) gives near-flat logits; a trained one doesn't
+        target.lm_head.weight.normal_(0.0, 0.5)
+    drafter.train()
+    batch = packed_batch([[60, 60], [120]], seq_len=128)
+    mb = plan_micro_batch(batch, 4, BLOCK, MASK_ID, GAMMA, torch.Generator().manual_seed(0))
+    opt = torch.optim.AdamW(drafter.parameters(), lr=1e-2)
+    losses = []
+    for _ in range(40):
+        out = micro_step_loss(drafter, target, mb, "dense")
+        loss = out.weighted_ce / mb.blocks.weights.sum()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    assert losses[-1] < 0.5 * losses[0], losses[::10]
+
+
+def test_target_gets_no_gradient_and_drafter_does():
+    target, drafter = target_and_drafter()
+    batch = packed_batch([[64]], seq_len=64)
+    mb = plan_micro_batch(batch, 4, BLOCK, MASK_ID, GAMMA, torch.Generator().manual_seed(0))
+    micro_step_loss(drafter, target, mb, "dense").weighted_ce.backward()
+    assert all(p.grad is None for p in target.model.parameters())
+    assert all(p.grad is not None for p in drafter.parameters())
+
+
+ZLAB_FIELDS = {
+    "architectures",
+    "model_type",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "rope_theta",
+    "rms_norm_eps",
+    "max_position_embeddings",
+    "vocab_size",
+    "tie_word_embeddings",
+    "layer_types",
+    "num_target_layers",
+    "block_size",
+    "dflash_config",
+    "torch_dtype",
+}
+
+
+def _zlab_weight_names(num_layers: int) -> set[str]:
+    names = {"fc.weight", "hidden_norm.weight", "norm.weight"}
+    per_layer = [f"self_attn.{p}_proj.weight" for p in "qkvo"]
+    per_layer += ["self_attn.q_norm.weight", "self_attn.k_norm.weight"]
+    per_layer += [f"mlp.{p}_proj.weight" for p in ("gate", "up", "down")]
+    per_layer += ["input_layernorm.weight", "post_attention_layernorm.weight"]
+    return names | {f"layers.{i}.{p}" for i in range(num_layers) for p in per_layer}
+
+
+def test_checkpoint_is_the_zlab_layout_and_reloads_to_the_same_outputs(tmp_path):
+    target, drafter = target_and_drafter()
+    path = save_checkpoint(drafter, tmp_path / "checkpoints", step=7)
+    assert path.name == "step_000007"
+    assert latest_checkpoint(tmp_path / "checkpoints") == path
+    assert sorted(p.name for p in path.iterdir()) == ["config.json", "model.safetensors"]
+    cfg = json.loads((path / "config.json").read_text())
+    assert set(cfg) >= ZLAB_FIELDS
+    assert cfg["architectures"] == ["DFlashDraftModel"] and cfg["model_type"] == "qwen3"
+    assert cfg["dflash_config"] == {"mask_token_id": MASK_ID, "target_layer_ids": [1, 3], "block_size": BLOCK}
+    assert cfg["num_target_layers"] == 6 and cfg["torch_dtype"] == "bfloat16"
+    assert cfg["tie_word_embeddings"] is False
+    weights = load_file(str(path / "model.safetensors"))
+    assert set(weights) == _zlab_weight_names(2)
+    assert all(w.dtype == torch.bfloat16 for w in weights.values())
+
+    reloaded = load_drafter(path)
+    feats = target.features(torch.randint(0, 90, (1, 20)))
+    block = target.embed_tokens(torch.full((1, BLOCK), MASK_ID))
+    pos = torch.arange(20, 20 + BLOCK)[None]
+    ctx_pos = torch.arange(20)[None]
+    with torch.no_grad():
+        for p in drafter.parameters():  # the checkpoint stores bf16: compare with rounded weights
+            p.copy_(p.bfloat16().float())
+        a = reloaded(block, pos, reloaded.context_kv(reloaded.fuse(feats), ctx_pos), Visibility(None))
+        b = drafter(block, pos, drafter.context_kv(drafter.fuse(feats), ctx_pos), Visibility(None))
+    torch.testing.assert_close(a, b)
+
+
+def test_mask_token_id_resolution(tiny_tokenizer):
+    assert resolve_mask_token_id(tiny_tokenizer, len(tiny_tokenizer), None) == tiny_tokenizer.mask_token_id
+    assert resolve_mask_token_id(tiny_tokenizer, 500, 450) == 450
+    with pytest.raises(ValueError, match="not a row"):
+        resolve_mask_token_id(tiny_tokenizer, 500, 500)
+
+
+def test_cosine_schedule_warms_up_then_decays():
+    lrs = [cosine_lr(s, 100, 10, 0.0) for s in range(100)]
+    assert lrs[0] == pytest.approx(0.1) and lrs[9] == pytest.approx(1.0)
+    assert all(a >= b for a, b in zip(lrs[10:], lrs[11:], strict=False))
+    assert lrs[-1] < 0.01
+
+
+def test_train_command_writes_a_run_directory(tmp_path, tiny_target_dir, tiny_tokenizer):
+    docs = random_docs([70, 90, 120, 60, 100, 80] * 3, seed=3, prompt_len=10)
+    for d in docs:  # keep ids inside the tiny tokenizer's vocabulary
+        d["input_ids"] = [i % len(tiny_tokenizer) for i in d["input_ids"]]
+    save_token_dataset(docs, tmp_path / "data")
+    (tmp_path / "cfg.yaml").write_text(
+        "data: {seq_len: 128, rows_per_batch: 2}\nnum_anchors: 8\nlog_every: 2\n"
+    )
+    run = tmp_path / "run"
+    result = CliRunner().invoke(
+        app,
+        [
+            "train",
+            "--target", str(tiny_target_dir),
+            "--data", str(tmp_path / "data"),
+            "--out", str(run),
+            "--config", str(tmp_path / "cfg.yaml"),
+            "--preset", "tiny_cpu",
+            "--max-steps", "4",
+            "--save-every", "2",
+        ],
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert (run / "config.yaml").exists() and (run / "train.log").exists()
+    lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in lines] == [2, 4]
+    assert {"loss", "acc_slot1", "acc_per_slot", "lr", "ctx_tok_s", "draft_pos_s"} <= set(lines[0])
+    ckpts = run / "checkpoints"
+    assert (ckpts / "LATEST").read_text().strip() == "step_000004"
+    assert (ckpts / "step_000002" / "model.safetensors").exists()
+    assert list((run / "tb").iterdir())
+
+
+def test_train_command_rejects_a_bad_config(tmp_path, tiny_target_dir):
+    (tmp_path / "cfg.yaml").write_text("optim: {lr: -1}\n")
+    result = CliRunner().invoke(
+        app,
+        ["train", "--target", str(tiny_target_dir), "--data", str(tmp_path), "--out", str(tmp_path / "r"),
+         "--config", str(tmp_path / "cfg.yaml")],
+    )  # fmt: skip
+    assert result.exit_code == 2
+    assert "cfg.yaml" in result.output and "lr" in result.output
