@@ -33,11 +33,11 @@ def train(
 ) -> None:
     """Online training: the frozen target computes features each step, the drafter learns from them."""
     from flashdraft.config import resolve_config
-    from flashdraft.train.trainer import Trainer
+    from flashdraft.train.trainer import build_trainer
 
     try:
         cfg = resolve_config(preset, config, max_steps=max_steps, save_every=save_every, seed=seed)
-        trainer = Trainer(cfg, target, str(data), str(out), device=device)
+        trainer = build_trainer(cfg, target, str(data), str(out), device=device)
     except (ValueError, FileNotFoundError) as e:
         _fail(str(e))
     result = trainer.run(save_every=cfg.save_every, progress=_print_progress(cfg.log_every))
@@ -64,6 +64,54 @@ def demo(
     from flashdraft.demo.pipeline import run_demo
 
     run_demo(out, budget_minutes=minutes)
+
+
+@app.command()
+def bench(
+    shape: str = typer.Option("qwen3-8b", help="target shape: tiny, qwen3-0.6b, qwen3-4b, qwen3-8b"),
+    seq_len: int = typer.Option(3072, help="tokens per packed row"),
+    anchors: int = typer.Option(512, help="anchors per row"),
+    block_size: int = typer.Option(16, help="block size B"),
+    rows_per_batch: int = typer.Option(1, help="rows per step"),
+    drafter_layers: int = typer.Option(5, help="drafter layers"),
+    steps: int = typer.Option(10, help="measured steps (median reported)"),
+    warmup: int = typer.Option(3, help="warm-up steps (the first compiles)"),
+    device: str | None = typer.Option(None, help="cpu or cuda (default: cuda when visible)"),
+    json_out: Path | None = typer.Option(None, "--json", help="write the result as JSON here"),
+) -> None:
+    """Training throughput on random weights of a named target shape: tok/s, MFU, memory, phases."""
+    import dataclasses
+    import json
+
+    from rich.console import Console
+    from rich.table import Table
+
+    from flashdraft.bench import run_bench
+
+    try:
+        r = run_bench(
+            shape, seq_len, anchors, block_size, rows_per_batch, steps, warmup, drafter_layers, device
+        )
+    except ValueError as e:
+        _fail(str(e))
+    table = Table(title=f"flashdraft bench {r.shape} on {r.device} (torch {r.torch})")
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    rows = [
+        ("step (median)", f"{r.step_ms:.1f} ms"),
+        ("context tokens/s", f"{r.ctx_tok_s:,.0f}"),
+        ("draft positions/s", f"{r.draft_pos_s:,.0f}"),
+        ("model TFLOP/s", f"{r.model_tflops:.1f}"),
+        ("matmul peak TFLOP/s (same run)", f"{r.matmul_tflops:.1f}"),
+        ("MFU", f"{100 * r.mfu:.1f}%"),
+        ("peak memory", f"{r.peak_mem_gib:.1f} GiB"),
+        ("start-up / first step", f"{r.startup_s:.1f} s / {r.first_step_s:.1f} s"),
+    ] + [(f"  {k}", f"{v:.1f} ms") for k, v in r.phases_ms.items()]
+    for k, v in rows:
+        table.add_row(k, v)
+    Console().print(table)
+    if json_out:
+        json_out.write_text(json.dumps(dataclasses.asdict(r), indent=2))
 
 
 def main() -> None:

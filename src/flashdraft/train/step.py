@@ -19,6 +19,7 @@ from flashdraft.train.blocks import (
     sample_anchors,
 )
 from flashdraft.train.loss import BlockLoss, block_loss
+from flashdraft.train.timing import NULL_TIMER, PhaseTimer
 
 
 @dataclass
@@ -54,14 +55,23 @@ def target_features(target: Target, batch: PackedBatch) -> torch.Tensor:
 
 
 def micro_step_loss(
-    drafter: DFlashDrafter, target: Target, mb: MicroBatch, attention: str = "flex", compiled: bool = False
+    drafter: DFlashDrafter,
+    target: Target,
+    mb: MicroBatch,
+    attention: str = "flex",
+    compiled: bool = False,
+    timer: PhaseTimer = NULL_TIMER,
 ) -> BlockLoss:
     """Forward of one micro-batch; the caller normalises `weighted_ce` by the step's weight sum."""
-    feats = target_features(target, mb.batch)
-    with torch.no_grad():
-        block_embeds = target.embed_tokens(mb.blocks.input_ids)
-    vis = visibility_for(mb, drafter.block_size, attention, compiled)
-    hidden = drafter.draft_hidden(
-        block_embeds.to(feats.dtype), mb.blocks.positions, feats, mb.batch.position_ids, vis
-    )
-    return block_loss(hidden, target.lm_head.weight, mb.blocks.labels, mb.blocks.weights)
+    with timer("target_forward"):
+        feats = target_features(target, mb.batch)
+        with torch.no_grad():
+            block_embeds = target.embed_tokens(mb.blocks.input_ids)
+    with timer("block_mask"):
+        vis = visibility_for(mb, drafter.block_size, attention, compiled)
+    with timer("drafter_forward"):
+        hidden = drafter.draft_hidden(
+            block_embeds.to(feats.dtype), mb.blocks.positions, feats, mb.batch.position_ids, vis
+        )
+    with timer("loss_forward"):
+        return block_loss(hidden, target.lm_head.weight, mb.blocks.labels, mb.blocks.weights)

@@ -1,0 +1,232 @@
+"""`flashdraft bench`: training throughput of a named target shape on random weights.
+
+Builds the target and the paper's drafter with random bf16 weights (nothing downloaded), runs real
+training steps through the Trainer (the code path of `flashdraft train`), measures the bf16 matmul
+rate in the same process, and reports median step time, context tokens/s, draft positions/s, model
+TFLOP/s, MFU, peak memory and a per-phase breakdown. FLOPs are model FLOPs (what the math needs),
+counted as in docs/perf.md.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+from transformers import Qwen3Config, Qwen3ForCausalLM
+
+from flashdraft.config import TrainConfig, resolve_config
+from flashdraft.data.packing import PackedBatch
+from flashdraft.model.drafter import DFlashDrafter, drafter_config
+from flashdraft.train.timing import PhaseTimer
+from flashdraft.train.trainer import Trainer, init_drafter_
+
+QWEN3_VOCAB = 151936
+QWEN3_MASK_ID = 151669
+
+# Published Qwen3 shapes (config.json of the Qwen3 releases).
+SHAPES: dict[str, dict] = {
+    "tiny": dict(hidden_size=64, intermediate_size=192, num_hidden_layers=6, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=16, vocab_size=512, tie_word_embeddings=False),
+    "qwen3-0.6b": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
+                       num_key_value_heads=8, head_dim=128, vocab_size=QWEN3_VOCAB, tie_word_embeddings=True),
+    "qwen3-4b": dict(hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32,
+                     num_key_value_heads=8, head_dim=128, vocab_size=QWEN3_VOCAB, tie_word_embeddings=True),
+    "qwen3-8b": dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
+                     num_key_value_heads=8, head_dim=128, vocab_size=QWEN3_VOCAB, tie_word_embeddings=False),
+}  # fmt: skip
+
+
+def shape_config(name: str) -> Qwen3Config:
+    if name not in SHAPES:
+        raise ValueError(f"unknown shape {name!r}; choose one of {sorted(SHAPES)}")
+    return Qwen3Config(
+        **SHAPES[name],
+        rms_norm_eps=1e-6,
+        max_position_embeddings=40960,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+    )
+
+
+def random_target(cfg: Qwen3Config, device: torch.device, dtype: torch.dtype) -> Qwen3ForCausalLM:
+    """Random weights (never zeros: timing on zeros flatters the hardware)."""
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = Qwen3ForCausalLM(cfg)
+    finally:
+        torch.set_default_dtype(default)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, 0.02)
+    return model.eval()
+
+
+def synthetic_batches(cfg: TrainConfig, vocab: int, device: torch.device, seed: int = 0):
+    """Endless packed batches: one full-length document per row, the first 10% of it a prompt."""
+    g = torch.Generator().manual_seed(seed)
+    b, s = cfg.data.rows_per_batch, cfg.data.seq_len
+    prompt = s // 10
+    while True:
+        ids = torch.randint(0, vocab, (b, s), generator=g)
+        mask = torch.ones(b, s, dtype=torch.long)
+        mask[:, :prompt] = 0
+        pos = torch.arange(s).expand(b, s).clone()
+        yield PackedBatch(ids, mask, pos, torch.zeros(b, s, dtype=torch.long))
+
+
+def matmul_tflops(device: torch.device, n: int = 8192, iters: int = 10) -> float:
+    """Measured bf16 (GPU) or fp32 (CPU) matmul rate: the MFU denominator, taken in the same run."""
+    if device.type == "cpu":
+        n, dtype = 1024, torch.float32
+    else:
+        dtype = torch.bfloat16
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    for _ in range(3):
+        a @ b
+    _sync(device)
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        a @ b
+    _sync(device)
+    return 2 * n**3 * iters / (time.perf_counter() - t0) / 1e12
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _layer_matmul_params(c: Qwen3Config, intermediate: int | None = None) -> int:
+    d, hd = c.hidden_size, c.head_dim
+    attn = d * hd * (2 * c.num_attention_heads + 2 * c.num_key_value_heads)
+    return attn + 3 * d * (intermediate or c.intermediate_size)
+
+
+def step_flops(target_cfg: Qwen3Config, drafter_cfg, kept_layers: int, seq_len: int, positions: int) -> dict:
+    """Model FLOPs of one row (docs/perf.md): target forward to the last tapped layer, drafter
+    forward + backward over `positions` query positions, lm_head forward + input gradient, and the
+    per-context-token fc and context K/V (forward + backward)."""
+    c, dc = target_cfg, drafter_cfg
+    qd = c.num_attention_heads * c.head_dim
+    target = seq_len * kept_layers * (2 * _layer_matmul_params(c) + 4 * (seq_len / 2) * qd)
+    per_pos = 6 * _layer_matmul_params(dc) * dc.num_hidden_layers
+    per_pos += 4 * c.hidden_size * c.vocab_size
+    per_pos += 3 * 4 * qd * (seq_len / 2) * dc.num_hidden_layers
+    n_taps = len(dc.target_layer_ids)
+    kv = 2 * c.hidden_size * dc.num_key_value_heads * dc.head_dim
+    per_ctx = 6 * (n_taps * c.hidden_size * c.hidden_size + dc.num_hidden_layers * kv)
+    drafter = positions * per_pos + seq_len * per_ctx
+    return {"target": target, "drafter": drafter, "total": target + drafter}
+
+
+@dataclass
+class BenchResult:
+    shape: str
+    device: str
+    torch: str
+    seq_len: int
+    rows_per_batch: int
+    anchors: int
+    block_size: int
+    step_ms: float
+    ctx_tok_s: float
+    draft_pos_s: float
+    model_tflops: float
+    matmul_tflops: float
+    mfu: float
+    peak_mem_gib: float
+    startup_s: float
+    first_step_s: float
+    phases_ms: dict
+    steps: int
+
+
+def run_bench(
+    shape: str,
+    seq_len: int = 3072,
+    anchors: int = 512,
+    block_size: int = 16,
+    rows_per_batch: int = 1,
+    steps: int = 10,
+    warmup: int = 3,
+    drafter_layers: int = 5,
+    device: str | None = None,
+) -> BenchResult:
+    t_start = time.perf_counter()
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    tcfg = shape_config(shape)
+    cfg = resolve_config(
+        "default",
+        **{
+            "data.seq_len": seq_len,
+            "data.rows_per_batch": rows_per_batch,
+            "num_anchors": anchors,
+            "drafter.block_size": block_size,
+            "drafter.num_layers": drafter_layers,
+            "drafter.num_taps": min(5, tcfg.num_hidden_layers - 3),
+            "max_steps": warmup + steps,
+        },
+    )
+    mask_id = QWEN3_MASK_ID if tcfg.vocab_size == QWEN3_VOCAB else tcfg.vocab_size - 1
+    model = random_target(tcfg, dev, dtype)
+    dcfg = drafter_config(tcfg, drafter_layers, None, cfg.drafter.num_taps, block_size, mask_id)
+    drafter = DFlashDrafter(dcfg).to(dev)
+    init_drafter_(drafter, 0.02, seed=0)
+    trainer = Trainer(cfg, model, drafter, synthetic_batches(cfg, tcfg.vocab_size, dev), cfg.max_steps, dev)
+    peak = matmul_tflops(dev)
+    kept = max(dcfg.target_layer_ids) + 1
+
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    startup = time.perf_counter() - t_start
+    t0 = time.perf_counter()
+    trainer.train_step()
+    _sync(dev)
+    first_step = time.perf_counter() - t0
+    for _ in range(warmup - 1):
+        trainer.train_step()
+    _sync(dev)
+
+    times, positions, phases = [], [], []
+    timer = PhaseTimer(enabled=True, device=dev)
+    for _ in range(steps):
+        timer.reset()
+        t0 = time.perf_counter()
+        stats = trainer.train_step(timer)
+        _sync(dev)
+        times.append(time.perf_counter() - t0)
+        positions.append(int(stats.draft_positions))
+        phases.append(timer.milliseconds())
+    step_s = statistics.median(times)
+    pos_per_row = statistics.median(positions) / rows_per_batch
+    # model FLOPs count every query position computed (n*B per row), as the kernels do
+    flops = step_flops(tcfg, dcfg, kept, seq_len, anchors * block_size)["total"] * rows_per_batch
+    tflops = flops / step_s / 1e12
+    return BenchResult(
+        shape=shape,
+        device=torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
+        torch=torch.__version__,
+        seq_len=seq_len,
+        rows_per_batch=rows_per_batch,
+        anchors=anchors,
+        block_size=block_size,
+        step_ms=1000 * step_s,
+        ctx_tok_s=seq_len * rows_per_batch / step_s,
+        draft_pos_s=pos_per_row * rows_per_batch / step_s,
+        model_tflops=tflops,
+        matmul_tflops=peak,
+        mfu=tflops / peak,
+        peak_mem_gib=torch.cuda.max_memory_allocated() / 2**30 if dev.type == "cuda" else 0.0,
+        startup_s=startup,
+        first_step_s=first_step,
+        phases_ms={k: statistics.median(p.get(k, 0.0) for p in phases) for k in phases[0]},
+        steps=steps,
+    )
