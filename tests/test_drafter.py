@@ -19,7 +19,7 @@ def _block_logits(target, drafter, batch, anchors, attention="dense", features=N
 
     vis = visibility_for(MicroBatch(batch, anchors, blocks), BLOCK, attention, compiled=False)
     with torch.no_grad():
-        hidden = drafter.draft_hidden(embeds, blocks.positions, feats, batch.position_ids, vis)
+        hidden = drafter(embeds, blocks.positions, None, vis, feats, batch.position_ids)
         return target.lm_head(hidden)
 
 

@@ -18,6 +18,7 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from flashdraft.config import TrainConfig, resolve_config
 from flashdraft.data.packing import PackedBatch
+from flashdraft.dist.topology import Topology
 from flashdraft.model.drafter import DFlashDrafter, drafter_config
 from flashdraft.train.timing import PhaseTimer
 from flashdraft.train.trainer import Trainer, init_drafter_
@@ -67,17 +68,19 @@ def random_target(cfg: Qwen3Config, device: torch.device, dtype: torch.dtype) ->
     return model.eval()
 
 
-def synthetic_batches(cfg: TrainConfig, vocab: int, device: torch.device, seed: int = 0):
-    """Endless packed batches: one full-length document per row, the first 10% of it a prompt."""
-    g = torch.Generator().manual_seed(seed)
-    b, s = cfg.data.rows_per_batch, cfg.data.seq_len
-    prompt = s // 10
-    while True:
-        ids = torch.randint(0, vocab, (b, s), generator=g)
+class SyntheticStream:
+    """Micro-batch m: one full-length random document per row, the first 10% of it a prompt."""
+
+    def __init__(self, cfg: TrainConfig, vocab: int):
+        self.rows, self.seq_len, self.vocab = cfg.data.rows_per_batch, cfg.data.seq_len, vocab
+
+    def __getitem__(self, m: int) -> PackedBatch:
+        b, s = self.rows, self.seq_len
+        ids = torch.randint(0, self.vocab, (b, s), generator=torch.Generator().manual_seed(m))
         mask = torch.ones(b, s, dtype=torch.long)
-        mask[:, :prompt] = 0
+        mask[:, : s // 10] = 0
         pos = torch.arange(s).expand(b, s).clone()
-        yield PackedBatch(ids, mask, pos, torch.zeros(b, s, dtype=torch.long))
+        return PackedBatch(ids, mask, pos, torch.zeros(b, s, dtype=torch.long))
 
 
 def matmul_tflops(device: torch.device, n: int = 8192, iters: int = 10) -> float:
@@ -180,7 +183,9 @@ def run_bench(
     dcfg = drafter_config(tcfg, drafter_layers, None, cfg.drafter.num_taps, block_size, mask_id)
     drafter = DFlashDrafter(dcfg).to(dev)
     init_drafter_(drafter, 0.02, seed=0)
-    trainer = Trainer(cfg, model, drafter, synthetic_batches(cfg, tcfg.vocab_size, dev), cfg.max_steps, dev)
+    trainer = Trainer(
+        cfg, model, drafter, SyntheticStream(cfg, tcfg.vocab_size), cfg.max_steps, Topology(device=dev)
+    )
     peak = matmul_tflops(dev)
     kept = max(dcfg.target_layer_ids) + 1
 

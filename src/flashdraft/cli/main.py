@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -19,7 +20,7 @@ def _fail(message: str, code: int = 2) -> None:
     raise typer.Exit(code)
 
 
-@app.command()
+@app.command(context_settings={"allow_extra_args": False})
 def train(
     target: str = typer.Option(..., help="target model: local HF directory or hub id"),
     data: Path = typer.Option(..., help="token dataset directory (from `flashdraft data prepare`)"),
@@ -30,21 +31,57 @@ def train(
     save_every: int | None = typer.Option(None, help="checkpoint every N steps (and at the end)"),
     seed: int | None = typer.Option(None, help="random seed"),
     device: str | None = typer.Option(None, help="cpu or cuda (default: cuda when visible)"),
+    layout: str = typer.Option("colocated", help="colocated, or split:T:D (T target + D drafter ranks)"),
+    nproc: int | None = typer.Option(None, help="launch N processes on this machine (torch's launcher)"),
+    resume: bool = typer.Option(
+        False, "--resume", help="continue the run in --out from its LATEST checkpoint"
+    ),
 ) -> None:
-    """Online training: the frozen target computes features each step, the drafter learns from them."""
+    """Online training: the frozen target computes features each step, the drafter learns from them.
+
+    Multi-GPU: `--nproc N`, or under torchrun (one process per GPU; multi-node through torchrun's
+    rendezvous with no other change).
+    """
+    if nproc is not None and "LOCAL_RANK" not in os.environ:
+        _launch(nproc)
+        return
+    from flashdraft.dist.topology import pin_local_gpu
+
+    pin_local_gpu()
     from flashdraft.config import resolve_config
     from flashdraft.train.trainer import build_trainer
 
     try:
         cfg = resolve_config(preset, config, max_steps=max_steps, save_every=save_every, seed=seed)
-        trainer = build_trainer(cfg, target, str(data), str(out), device=device)
+        trainer = build_trainer(cfg, target, str(data), str(out), device=device, layout=layout, resume=resume)
     except (ValueError, FileNotFoundError) as e:
         _fail(str(e))
-    result = trainer.run(save_every=cfg.save_every, progress=_print_progress(cfg.log_every))
-    typer.echo(
-        f"done: {result.steps} steps, loss {result.first_loss:.4f} -> {result.final_loss:.4f}; "
-        f"checkpoint {result.checkpoint}"
-    )
+    result = trainer.run(progress=_print_progress(cfg.log_every))
+    if result is not None and trainer.topo.is_main:
+        typer.echo(
+            f"done: {result.steps} steps, loss {result.first_loss:.4f} -> {result.final_loss:.4f}; "
+            f"checkpoint {result.checkpoint}"
+        )
+    trainer.topo.close()
+
+
+def _launch(nproc: int) -> None:
+    """Re-run this command under torch's elastic launcher, one process per device."""
+    from torch.distributed.run import main as torchrun
+
+    args = sys.argv[1:]
+    cleaned, skip = [], False
+    for a in args:
+        if skip:
+            skip = False
+            continue
+        if a == "--nproc":
+            skip = True
+            continue
+        if a.startswith("--nproc="):
+            continue
+        cleaned.append(a)
+    torchrun(["--standalone", f"--nproc-per-node={nproc}", "-m", "flashdraft.cli.main", *cleaned])
 
 
 def _print_progress(every: int):

@@ -10,7 +10,8 @@ document ids (-1 on padding) so the block mask and the target keep documents apa
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+import functools
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -100,20 +101,59 @@ class PackedLoader:
         self.rows_per_batch = rows_per_batch
         self.pad_token_id = pad_token_id
         self.seed = seed
-        self.lengths = [len(x) for x in dataset["input_ids"]]
+        if "length" in dataset.column_names:
+            self.lengths = list(dataset["length"])
+        else:
+            self.lengths = [len(x) for x in dataset["input_ids"]]
 
+    @functools.lru_cache(maxsize=2)  # noqa: B019 (one loader per run; the plan of an epoch is reused)
     def rows(self, epoch: int) -> list[list[int]]:
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
         order = torch.randperm(len(self.lengths), generator=g).tolist()
         return pack_documents(self.lengths, self.seq_len, order)
 
-    def batches_per_epoch(self) -> int:
-        return len(self.rows(0)) // self.rows_per_batch
+    def batches_in_epoch(self, epoch: int) -> int:
+        """Full batches of an epoch (a last partial batch is dropped)."""
+        return len(self.rows(epoch)) // self.rows_per_batch
 
-    def epoch(self, epoch: int, start: int = 0) -> Iterator[PackedBatch]:
-        """Full batches of epoch `epoch` from batch index `start`; a last partial batch is dropped."""
-        rows = self.rows(epoch)
-        for i in range(start, len(rows) // self.rows_per_batch):
-            chunk = rows[i * self.rows_per_batch : (i + 1) * self.rows_per_batch]
-            docs = [[self.ds[j] for j in row] for row in chunk]
-            yield collate_rows(docs, self.seq_len, self.pad_token_id)
+    def batch(self, epoch: int, index: int) -> PackedBatch:
+        rows = self.rows(epoch)[index * self.rows_per_batch : (index + 1) * self.rows_per_batch]
+        docs = [[self.ds[j] for j in row] for row in rows]
+        return collate_rows(docs, self.seq_len, self.pad_token_id)
+
+
+class MicroBatchStream:
+    """The run's data as one sequence of micro-batches over epochs: global index m -> batch.
+
+    Every rank computes the same sequence; rank r trains on its share of indices (see the trainer),
+    and a resumed run needs nothing but the step to find its place.
+    """
+
+    def __init__(self, loader: PackedLoader, epochs: int):
+        self.loader = loader
+        self.epochs = epochs
+        self._per_epoch: list[int] = []
+
+    def _counts(self, upto_epoch: int) -> list[int]:
+        while len(self._per_epoch) <= upto_epoch:
+            self._per_epoch.append(self.loader.batches_in_epoch(len(self._per_epoch)))
+        return self._per_epoch
+
+    def __len__(self) -> int:
+        """Micro-batches in `epochs` epochs."""
+        return sum(self._counts(self.epochs - 1)[: self.epochs])
+
+    def locate(self, m: int) -> tuple[int, int]:
+        """(epoch, batch index) of global micro-batch m; past the last epoch the data repeats."""
+        epoch = 0
+        while True:
+            count = self._counts(epoch)[epoch]
+            if count == 0:
+                raise ValueError("an epoch has no full batch: too little data for rows_per_batch")
+            if m < count:
+                return epoch, m
+            m -= count
+            epoch += 1
+
+    def __getitem__(self, m: int) -> PackedBatch:
+        return self.loader.batch(*self.locate(m))

@@ -158,31 +158,25 @@ class DFlashDrafter(nn.Module):
         self,
         block_embeds: torch.Tensor,
         block_positions: torch.Tensor,
-        ctx_kv: list[tuple[torch.Tensor, torch.Tensor]],
+        ctx_kv: list[tuple[torch.Tensor, torch.Tensor]] | None,
         visibility: Visibility,
+        target_features: torch.Tensor | None = None,
+        ctx_positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Hidden states [b, Q, D] (after the final norm) of the block queries.
 
         block_embeds: target embeddings of the block tokens [b, Q, D]; block_positions [b, Q];
-        ctx_kv: from `context_kv`; visibility: over keys [context | block].
+        visibility: over keys [context | block]. The context comes either as `ctx_kv` (from
+        `context_kv`, as a KV cache holds it at inference) or, in training, as raw tapped
+        `target_features` [b, S, N*D] at `ctx_positions` [b, S], fused and projected here.
         """
+        if ctx_kv is None:
+            ctx_kv = self.context_kv(self.fuse(target_features), ctx_positions)
         rope = self.rotary_emb(block_embeds, block_positions)
         x = block_embeds
         for layer, kv in zip(self.layers, ctx_kv, strict=True):
             x = layer(x, rope, kv, visibility)
         return self.norm(x)
-
-    def draft_hidden(
-        self,
-        block_embeds: torch.Tensor,
-        block_positions: torch.Tensor,
-        target_features: torch.Tensor,
-        ctx_positions: torch.Tensor,
-        visibility: Visibility,
-    ) -> torch.Tensor:
-        """Fuse the target features, project them to K/V in every layer and run the block."""
-        ctx_kv = self.context_kv(self.fuse(target_features), ctx_positions)
-        return self(block_embeds, block_positions, ctx_kv, visibility)
 
 
 def drafter_config(

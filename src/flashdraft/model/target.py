@@ -38,9 +38,12 @@ class Target:
 
     truncate=True (training) drops every layer after max(layer_ids) from the module, so they are
     neither computed nor kept in memory; keep the full model (truncate=False) to decode with it.
+    heads_only=True keeps only the embedding and lm_head (a drafter rank of a split layout).
     """
 
-    def __init__(self, model: PreTrainedModel, layer_ids: list[int], truncate: bool = False):
+    def __init__(
+        self, model: PreTrainedModel, layer_ids: list[int], truncate: bool = False, heads_only: bool = False
+    ):
         model.requires_grad_(False).eval()
         self.model = model
         self.num_layers = model.config.num_hidden_layers
@@ -48,12 +51,12 @@ class Target:
         n = len(layers)
         if not layer_ids or max(layer_ids) >= n or min(layer_ids) < 0:
             raise ValueError(f"layer ids {layer_ids} do not fit a target of {n} layers")
-        if truncate:
-            layers = _truncate(model, max(layer_ids) + 1)
-        self._layers = layers
+        if truncate or heads_only:
+            layers = _truncate(model, 0 if heads_only else max(layer_ids) + 1)
+        self.heads_only = heads_only
         self._taps: dict[int, torch.Tensor] = {}
-        for i in set(layer_ids):
-            self._layers[i].register_forward_hook(self._tap(i))
+        for i in set(layer_ids) if not heads_only else ():
+            layers[i].register_forward_hook(self._tap(i))
         self.layer_ids = list(layer_ids)
 
     def _tap(self, i: int):
@@ -86,6 +89,8 @@ class Target:
         attention_mask: None (causal), or a bool [b, 1, S, S] mask (True = attend), used as is,
         e.g. to keep packed documents apart.
         """
+        if self.heads_only:
+            raise RuntimeError("this Target keeps only the embedding and lm_head (heads_only=True)")
         mask = {"full_attention": attention_mask} if attention_mask is not None else None
         self._taps.clear()
         self.model.get_decoder()(

@@ -57,17 +57,22 @@ def sample_anchors(
     doc_ids: torch.Tensor,
     block_size: int,
     num_anchors: int,
-    generator: torch.Generator | None = None,
+    generator: torch.Generator | list[torch.Generator] | None = None,
 ) -> Anchors:
     """Up to `num_anchors` distinct candidate positions per row, uniformly at random, sorted.
 
-    Rows with fewer candidates get padding blocks (valid False, index 0).
+    Rows with fewer candidates get padding blocks (valid False, index 0). `generator` may be one
+    CPU generator for the batch or one per row (then a row's anchors do not depend on its batch).
     """
     cand = anchor_candidates(loss_mask, doc_ids, block_size)
     b, s = cand.shape
     n = min(num_anchors, s)
-    # Drawn on the CPU generator, so a run's anchors do not depend on the device.
-    scores = torch.rand(b, s, generator=generator).to(cand.device).masked_fill(~cand, 2.0)
+    # Drawn on CPU generators, so a run's anchors do not depend on the device.
+    if isinstance(generator, list):
+        scores = torch.cat([torch.rand(1, s, generator=g) for g in generator])
+    else:
+        scores = torch.rand(b, s, generator=generator)
+    scores = scores.to(cand.device).masked_fill(~cand, 2.0)
     chosen_scores, idx = scores.topk(n, dim=1, largest=False)
     valid = chosen_scores < 2.0
     idx = idx.masked_fill(~valid, s)
@@ -79,6 +84,14 @@ def sample_anchors(
         idx = torch.cat([idx, idx.new_zeros(b, pad)], 1)
         valid = torch.cat([valid, valid.new_zeros(b, pad)], 1)
     return Anchors(idx, valid)
+
+
+def row_generators(seed: int, micro_index: int, rows: int) -> list[torch.Generator]:
+    """Anchor RNG of each row of global micro-batch `micro_index`: a pure function of the run seed
+    and the row's place in the data stream, so anchors are the same whatever the number of ranks,
+    the layout, or a resume (nothing to save), and differ every epoch."""
+    base = (seed * 1_000_003 + micro_index) * 4099
+    return [torch.Generator().manual_seed((base + r) % (2**63)) for r in range(rows)]
 
 
 @dataclass

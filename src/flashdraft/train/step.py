@@ -27,6 +27,7 @@ class MicroBatch:
     batch: PackedBatch
     anchors: Anchors
     blocks: Blocks
+    features: torch.Tensor | None = None  # tapped target features [b, S, N*D]
 
 
 def plan_micro_batch(
@@ -35,13 +36,14 @@ def plan_micro_batch(
     block_size: int,
     mask_token_id: int,
     gamma: float,
-    generator: torch.Generator,
+    generator: torch.Generator | list[torch.Generator],
+    features: torch.Tensor | None = None,
 ) -> MicroBatch:
     anchors = sample_anchors(batch.loss_mask, batch.doc_ids, block_size, num_anchors, generator)
     blocks = make_blocks(
         batch.input_ids, batch.loss_mask, batch.position_ids, anchors, block_size, mask_token_id, gamma
     )
-    return MicroBatch(batch, anchors, blocks)
+    return MicroBatch(batch, anchors, blocks, features)
 
 
 def visibility_for(mb: MicroBatch, block_size: int, attention: str, compiled: bool) -> Visibility:
@@ -62,16 +64,19 @@ def micro_step_loss(
     compiled: bool = False,
     timer: PhaseTimer = NULL_TIMER,
 ) -> BlockLoss:
-    """Forward of one micro-batch; the caller normalises `weighted_ce` by the step's weight sum."""
+    """Forward of one micro-batch; the caller normalises `weighted_ce` by the step's weight sum.
+
+    Uses `mb.features` when a feature source already computed them (or received them from a
+    target rank); otherwise runs the target here. `drafter` may be wrapped (DDP): only its
+    forward is called.
+    """
     with timer("target_forward"):
-        feats = target_features(target, mb.batch)
+        feats = mb.features if mb.features is not None else target_features(target, mb.batch)
         with torch.no_grad():
-            block_embeds = target.embed_tokens(mb.blocks.input_ids)
+            block_embeds = target.embed_tokens(mb.blocks.input_ids).to(feats.dtype)
     with timer("block_mask"):
-        vis = visibility_for(mb, drafter.block_size, attention, compiled)
+        vis = visibility_for(mb, mb.blocks.labels.shape[-1], attention, compiled)
     with timer("drafter_forward"):
-        hidden = drafter.draft_hidden(
-            block_embeds.to(feats.dtype), mb.blocks.positions, feats, mb.batch.position_ids, vis
-        )
+        hidden = drafter(block_embeds, mb.blocks.positions, None, vis, feats, mb.batch.position_ids)
     with timer("loss_forward"):
         return block_loss(hidden, target.lm_head.weight, mb.blocks.labels, mb.blocks.weights)

@@ -1,27 +1,35 @@
-"""Single-process online training: the frozen target computes features every step, the drafter learns.
+"""Online training: the frozen target computes features every step, the drafter learns.
 
-Reads top to bottom: build (target, drafter, optimizer, data) -> loop of steps -> checkpoint.
+Reads top to bottom: build (topology, target, drafter, optimizer, data) -> loop of steps ->
+checkpoint. The same loop runs on one CPU, one GPU, or many ranks: the Topology says which
+micro-batches this rank trains on, and whether its features come from its own target
+(colocated) or from a target rank (split).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
 
 from flashdraft.config import TrainConfig, save_config
-from flashdraft.data.packing import PackedBatch, PackedLoader, load_token_dataset
-from flashdraft.model.checkpoint import save_checkpoint
+from flashdraft.data.packing import MicroBatchStream, PackedLoader, load_token_dataset
+from flashdraft.dist.exchange import MessageShape, RemoteFeatures, serve_features
+from flashdraft.dist.topology import Topology, init_topology
+from flashdraft.model.checkpoint import latest_checkpoint, save_checkpoint
 from flashdraft.model.drafter import DFlashDrafter, drafter_config
 from flashdraft.model.target import Target, load_target
-from flashdraft.train.blocks import default_gamma
+from flashdraft.train.blocks import default_gamma, row_generators
 from flashdraft.train.metrics import MetricsLogger
-from flashdraft.train.step import micro_step_loss, plan_micro_batch
+from flashdraft.train.state import load_trainer_state, trainer_state_writer
+from flashdraft.train.step import micro_step_loss, plan_micro_batch, target_features
 from flashdraft.train.timing import NULL_TIMER, PhaseTimer
 
 
@@ -135,103 +143,167 @@ def init_drafter_(drafter: DFlashDrafter, std: float, seed: int) -> None:
                 p.copy_(torch.randn(p.shape, generator=g) * std)
 
 
-def pick_device(device: str | None) -> torch.device:
-    return torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-
-
-def build_trainer(cfg: TrainConfig, target_path: str, data_dir: str, out_dir: str, device: str | None = None):
-    """Load the target and the token dataset, build the drafter: a Trainer ready to run."""
-    dev = pick_device(device)
+def build_trainer(
+    cfg: TrainConfig,
+    target_path: str,
+    data_dir: str,
+    out_dir: str,
+    device: str | None = None,
+    layout: str = "colocated",
+    resume: bool = False,
+) -> Trainer:
+    """Read the world, load the target and the token dataset, build the drafter: a Trainer ready to run."""
+    topo = init_topology(layout, device)
     torch.manual_seed(cfg.seed)
-    model, tokenizer = load_target(target_path, dev)
-    drafter = build_drafter(cfg, model, tokenizer, dev)
+    model, tokenizer = load_target(target_path, topo.device)
     pad = cfg.data.pad_token_id
     if pad is None:
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     loader = PackedLoader(
         load_token_dataset(data_dir), cfg.data.seq_len, cfg.data.rows_per_batch, pad, cfg.seed
     )
-    per_epoch = [len(loader.rows(e)) // cfg.data.rows_per_batch for e in range(cfg.epochs)]
-    if sum(per_epoch) < cfg.grad_accum:
-        raise ValueError(f"{data_dir}: too little data for one step ({sum(per_epoch)} batches)")
-    total_steps = cfg.max_steps or sum(per_epoch) // cfg.grad_accum
-
-    def batches():
-        """Endless stream of packed batches over epochs (the step limit ends training)."""
-        epoch = 0
-        while True:
-            yield from loader.epoch(epoch)
-            epoch += 1
-
-    return Trainer(cfg, model, drafter, batches(), total_steps, dev, out_dir, {"target": str(target_path)})
+    stream = MicroBatchStream(loader, cfg.epochs)
+    per_step = cfg.grad_accum * topo.num_drafters
+    if len(stream) < per_step:
+        raise ValueError(
+            f"{data_dir}: too little data for one step ({len(stream)} batches, {per_step} needed)"
+        )
+    total_steps = cfg.max_steps or len(stream) // per_step
+    drafter = build_drafter(cfg, model, tokenizer, topo.device)
+    return Trainer(
+        cfg, model, drafter, stream, total_steps, topo, out_dir, {"target": str(target_path)}, resume
+    )
 
 
 class Trainer:
-    """Owns the training state (target, drafter, optimizer, schedule, anchor RNG) and runs steps."""
+    """Owns the training state (target, drafter, optimizer, schedule, step) and runs steps."""
 
     def __init__(
         self,
         cfg: TrainConfig,
         model,
         drafter: DFlashDrafter,
-        batches: Iterator[PackedBatch],
+        stream,
         total_steps: int,
-        device: torch.device,
+        topo: Topology | None = None,
         out_dir: str | Path | None = None,
         meta: dict | None = None,
+        resume: bool = False,
     ):
         self.cfg = cfg
-        self.device = device
+        self.topo = topo or Topology(device=next(drafter.parameters()).device)
+        self.device = self.topo.device
         self.drafter = drafter
-        self.target = Target(model, drafter.target_layer_ids, truncate=True)
-        self.batches = batches
+        self.feature_dim = len(drafter.target_layer_ids) * model.config.hidden_size
+        self.feature_dtype = next(model.parameters()).dtype
+        # drafter-only ranks of a split layout keep just the embedding and lm_head of the target
+        self.target = Target(
+            model, drafter.target_layer_ids, truncate=True, heads_only=not self.topo.is_target
+        )
+        self.stream = stream
         self.total_steps = total_steps
         self.out = Path(out_dir) if out_dir else None
         self.meta = meta or {}
         self.gamma = cfg.gamma or default_gamma(cfg.drafter.block_size)
-        self.compiled = cfg.compile if cfg.compile is not None else device.type == "cuda"
-        self.attention = resolve_attention(cfg.attention, device)
+        self.compiled = cfg.compile if cfg.compile is not None else self.device.type == "cuda"
+        self.attention = resolve_attention(cfg.attention, self.device)
+        self.model = drafter
+        if self.topo.num_drafters > 1 and self.topo.is_drafter:
+            self.model = DistributedDataParallel(drafter, process_group=self.topo.drafter_group)
         self.optimizer = torch.optim.AdamW(
             drafter.parameters(),
             lr=cfg.optim.lr,
             betas=cfg.optim.betas,
             weight_decay=cfg.optim.weight_decay,
-            fused=device.type == "cuda",
+            fused=self.device.type == "cuda",
         )
         warmup = round(cfg.optim.warmup_ratio * total_steps)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda s: cosine_lr(s, total_steps, warmup, cfg.optim.min_lr_ratio)
         )
-        self.anchor_gen = torch.Generator().manual_seed(cfg.seed + 1)
+        self.step = 0
+        self.remote = None
+        if self.topo.layout.kind == "split" and self.topo.is_drafter:
+            self.remote = RemoteFeatures(self.topo, self.message_shape())
+        if resume:
+            self._resume()
+
+    def message_shape(self) -> MessageShape:
+        return MessageShape(
+            self.cfg.data.rows_per_batch, self.cfg.data.seq_len, self.feature_dim, self.feature_dtype
+        )
+
+    def _resume(self) -> None:
+        ckpt = latest_checkpoint(self.out / "checkpoints") if self.out else None
+        if ckpt is None:
+            raise ValueError(f"--resume: {self.out}/checkpoints has no complete checkpoint (no LATEST)")
+        self.step = load_trainer_state(ckpt, self)
+
+    def micro_indices(self, step: int) -> list[int]:
+        """Global micro-batches this drafter rank trains on at `step` (1-based)."""
+        per_step = self.cfg.grad_accum * self.topo.num_drafters
+        base = (step - 1) * per_step
+        return [
+            base + g * self.topo.num_drafters + self.topo.drafter_rank for g in range(self.cfg.grad_accum)
+        ]
 
     def _autocast(self):
         enabled = self.device.type == "cuda"
         return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=enabled)
 
+    def _micro_batch(self, m: int, next_m: int | None, timer: PhaseTimer):
+        if self.remote is not None:
+            with timer("receive"):
+                batch, feats = self.remote.get(m, next_m)
+            ctx_tokens = int((batch.doc_ids >= 0).sum())
+        else:
+            with timer("data"):
+                cpu = self.stream[m]
+                ctx_tokens = cpu.num_tokens
+                batch = cpu.to(self.device)
+            with timer("target_forward"):
+                feats = target_features(self.target, batch)
+        mb = plan_micro_batch(
+            batch,
+            self.cfg.num_anchors,
+            self.drafter.block_size,
+            self.drafter.mask_token_id,
+            self.gamma,
+            row_generators(self.cfg.seed, m, batch.input_ids.shape[0]),
+            features=feats,
+        )
+        return mb, ctx_tokens
+
+    def _all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self.topo.num_drafters > 1:
+            dist.all_reduce(tensor, group=self.topo.drafter_group)
+        return tensor
+
     def train_step(self, timer: PhaseTimer = NULL_TIMER) -> StepStats:
-        """One optimizer step over `grad_accum` micro-batches; returns device tensors (no host sync)."""
+        """One optimizer step over this rank's micro-batches; returns device tensors (no host sync)."""
         cfg = self.cfg
-        with timer("data"):
-            cpu_batches = [next(self.batches) for _ in range(cfg.grad_accum)]
-            micro = [
-                plan_micro_batch(
-                    b.to(self.device),
-                    cfg.num_anchors,
-                    self.drafter.block_size,
-                    self.drafter.mask_token_id,
-                    self.gamma,
-                    self.anchor_gen,
-                )
-                for b in cpu_batches
-            ]
-        weight_sum = sum(mb.blocks.weights.sum() for mb in micro).clamp(min=1e-6)
+        step = self.step + 1
+        indices = self.micro_indices(step)
+        following = self.micro_indices(step + 1)[0] if step < self.total_steps else None
+        planned = [
+            self._micro_batch(m, indices[i + 1] if i + 1 < len(indices) else following, timer)
+            for i, m in enumerate(indices)
+        ]
+        micro = [mb for mb, _ in planned]
+        # the loss is normalised by the weight sum of the whole global step, over every rank
+        weight_sum = self._all_reduce(sum(mb.blocks.weights.sum() for mb in micro)).clamp(min=1e-6)
+        scale = self.topo.num_drafters  # DDP averages gradients over drafter ranks
         stats = StepStats.zeros(self.drafter.block_size, self.device)
-        stats.ctx_tokens = sum(b.num_tokens for b in cpu_batches)
-        for mb in micro:
-            with self._autocast():
-                out = micro_step_loss(self.drafter, self.target, mb, self.attention, self.compiled, timer)
-            with timer("backward"):
-                (out.weighted_ce / weight_sum).backward()
+        stats.ctx_tokens = sum(n for _, n in planned)
+        for i, mb in enumerate(micro):
+            last = i == len(micro) - 1
+            ddp = isinstance(self.model, DistributedDataParallel)
+            sync = self.model.no_sync() if ddp and not last else contextlib.nullcontext()
+            with sync:
+                with self._autocast():
+                    out = micro_step_loss(self.model, self.target, mb, self.attention, self.compiled, timer)
+                with timer("backward"):
+                    (out.weighted_ce * scale / weight_sum).backward()
             stats.add(out, mb)
         with timer("optimizer"):
             stats.grad_norm = torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), cfg.optim.grad_clip)
@@ -239,43 +311,86 @@ class Trainer:
             self.optimizer.zero_grad(set_to_none=True)
             self.scheduler.step()
         stats.weight_sum = weight_sum
+        self.step = step
         return stats
 
-    def run(self, save_every: int | None = None, progress=None) -> TrainResult:
+    def _reduce_stats(self, stats: StepStats) -> None:
+        """Sum a step's loss and accuracy counts over drafter ranks (at log steps only)."""
+        for t in (stats.loss_sum, stats.correct, stats.counted):
+            self._all_reduce(t)
+
+    def serve(self) -> None:
+        """Target rank of a split layout: compute and send features for every step of the run."""
+        per_step = self.cfg.grad_accum * self.topo.num_drafters
+        start = self.step * per_step
+        feats = lambda batch: target_features(self.target, batch)  # noqa: E731
+        serve_features(
+            self.topo, feats, self.stream, self.total_steps * per_step, self.message_shape(), start
+        )
+
+    def run(self, progress=None) -> TrainResult | None:
+        """Train to `total_steps`; checkpoints every `save_every` steps and at the end (main rank)."""
+        if not self.topo.is_drafter:
+            self.serve()
+            return None
         cfg = self.cfg
-        self.out.mkdir(parents=True, exist_ok=True)
-        save_config(cfg, self.out / "config.yaml", extra=self.meta)
-        ckpt_root = self.out / "checkpoints"
-        log = MetricsLogger(self.out, total_steps=self.total_steps)
+        main = self.topo.is_main
+        log = None
+        if main:
+            self.out.mkdir(parents=True, exist_ok=True)
+            save_config(cfg, self.out / "config.yaml", extra={**self.meta, "layout": str(self.topo.layout)})
+            log = MetricsLogger(self.out, total_steps=self.total_steps)
         first = last = float("nan")
-        window_tokens = window_positions = 0
+        window_tokens, window_wait = 0, 0.0
+        window_positions = torch.zeros((), device=self.device)
         window_start = time.perf_counter()
-        for step in range(1, self.total_steps + 1):
+        while self.step < self.total_steps:
             stats = self.train_step()
+            step = self.step
             window_tokens += stats.ctx_tokens
-            window_positions = window_positions + stats.draft_positions
+            window_positions += stats.draft_positions
             if step == 1:
-                first = float(stats.loss_sum / stats.weight_sum)
+                first = float(self._all_reduce(stats.loss_sum.clone()) / stats.weight_sum)
             if step % cfg.log_every == 0 or step == self.total_steps:
-                m = stats.to_metrics()
+                self._reduce_stats(stats)
+                totals = torch.stack([window_positions, window_positions.new_tensor(float(window_tokens))])
+                positions, tokens = self._all_reduce(totals).tolist()
                 elapsed = max(time.perf_counter() - window_start, 1e-9)
+                m = stats.to_metrics()
                 m.update(
                     step=step,
                     lr=self.scheduler.get_last_lr()[0],
-                    ctx_tok_s=window_tokens / elapsed,
-                    draft_pos_s=float(window_positions) / elapsed,
+                    ctx_tok_s=tokens / elapsed,
+                    draft_pos_s=positions / elapsed,
                 )
-                log.log(m)
+                if self.remote is not None:
+                    m["drafter_busy"] = 1 - (self.remote.wait_s - window_wait) / elapsed
+                    m["target_busy"] = self.remote.target_busy
+                    window_wait = self.remote.wait_s
                 last = m["loss"]
-                if progress is not None:
-                    progress(step, self.total_steps, m["loss"])
-                window_tokens = window_positions = 0
+                if main:
+                    log.log(m)
+                    if progress is not None:
+                        progress(step, self.total_steps, m["loss"])
+                window_tokens = 0
+                window_positions = torch.zeros((), device=self.device)
                 window_start = time.perf_counter()
-            if save_every and step % save_every == 0 and step != self.total_steps:
-                save_checkpoint(self.drafter, ckpt_root, step)
-        ckpt = save_checkpoint(self.drafter, ckpt_root, self.total_steps)
-        log.close()
-        (self.out / "result.json").write_text(
-            json.dumps({"steps": self.total_steps, "first_loss": first, "final_loss": last})
-        )
+            if cfg.save_every and step % cfg.save_every == 0 and step != self.total_steps:
+                self.save()
+        ckpt = self.save()
+        if main:
+            log.close()
+            (self.out / "result.json").write_text(
+                json.dumps({"steps": self.total_steps, "first_loss": first, "final_loss": last})
+            )
         return TrainResult(self.total_steps, last, first, ckpt)
+
+    def save(self) -> Path | None:
+        """Checkpoint on the main rank (complete or absent); every drafter rank waits for it."""
+        path = None
+        if self.topo.is_main:
+            extra = {"trainer_state.pt": trainer_state_writer(self)}
+            path = save_checkpoint(self.drafter, self.out / "checkpoints", self.step, extra)
+        if self.topo.num_drafters > 1:
+            dist.barrier(group=self.topo.drafter_group)
+        return path

@@ -1,0 +1,130 @@
+"""Split layout: target ranks send features to drafter ranks over point-to-point messages.
+
+A message is two fixed-size tensors, so nothing is re-allocated or re-shaped between steps:
+a header (int64: input ids, loss mask, position ids, document ids of the packed rows, then the
+sender's busy fraction in parts per million) and the tapped features (the target's dtype).
+Target ranks keep two sends in flight (double buffering), so computing the next micro-batch
+overlaps sending the last; drafter ranks post the receive of their next micro-batch before
+training on the current one. Micro-batch m goes from target rank m % T to drafter rank m % D;
+messages between one pair arrive in order, so both sides agree on m without a handshake.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from flashdraft.data.packing import MicroBatchStream, PackedBatch
+from flashdraft.dist.topology import Topology
+
+
+@dataclass(frozen=True)
+class MessageShape:
+    rows: int
+    seq_len: int
+    feature_dim: int
+    dtype: torch.dtype
+
+    def empty(self, device) -> tuple[torch.Tensor, torch.Tensor]:
+        header = torch.empty(4 * self.rows * self.seq_len + 1, dtype=torch.long, device=device)
+        feats = torch.empty(self.rows, self.seq_len, self.feature_dim, dtype=self.dtype, device=device)
+        return header, feats
+
+
+def pack_header(batch: PackedBatch, busy: float) -> torch.Tensor:
+    parts = [batch.input_ids, batch.loss_mask, batch.position_ids, batch.doc_ids]
+    flat = torch.cat([p.reshape(-1) for p in parts])
+    return torch.cat([flat, flat.new_tensor([int(busy * 1e6)])])
+
+
+def unpack_header(header: torch.Tensor, shape: MessageShape) -> tuple[PackedBatch, float]:
+    b, s = shape.rows, shape.seq_len
+    parts = header[:-1].view(4, b, s)
+    return PackedBatch(*parts.unbind(0)), float(header[-1]) / 1e6
+
+
+class BusyClock:
+    """Fraction of wall time spent computing (not waiting on a peer), over a sliding window."""
+
+    def __init__(self):
+        self.busy = 0.0
+        self.start = time.perf_counter()
+
+    def add(self, seconds: float) -> None:
+        self.busy += seconds
+
+    def fraction(self) -> float:
+        return self.busy / max(time.perf_counter() - self.start, 1e-9)
+
+    def reset(self) -> None:
+        self.busy, self.start = 0.0, time.perf_counter()
+
+
+def serve_features(
+    topo: Topology,
+    features_fn,
+    stream: MicroBatchStream,
+    total_micro: int,
+    shape: MessageShape,
+    start: int = 0,
+) -> None:
+    """Target rank loop: compute and send every micro-batch this rank owns from global index
+    `start` on, two sends in flight."""
+    targets = topo.layout.targets
+    first = start + (topo.rank - start) % targets
+    in_flight: list[list] = []
+    clock = BusyClock()
+    for m in range(first, total_micro, targets):
+        t0 = time.perf_counter()
+        batch = stream[m].to(topo.device)
+        feats = features_fn(batch).to(shape.dtype).contiguous()
+        if topo.device.type == "cuda":
+            torch.cuda.current_stream().synchronize()
+        clock.add(time.perf_counter() - t0)
+        dst = topo.drafter_rank_for(m)
+        ops = [
+            dist.P2POp(dist.isend, pack_header(batch, clock.fraction()), dst),
+            dist.P2POp(dist.isend, feats, dst),
+        ]
+        in_flight.append(dist.batch_isend_irecv(ops))
+        if len(in_flight) > 2:
+            for work in in_flight.pop(0):
+                work.wait()
+    for works in in_flight:
+        for work in works:
+            work.wait()
+
+
+class RemoteFeatures:
+    """Drafter rank side: receives micro-batches in order, the next one prefetched."""
+
+    def __init__(self, topo: Topology, shape: MessageShape):
+        self.topo = topo
+        self.shape = shape
+        self.pending: dict[int, tuple] = {}
+        self.wait_s = 0.0
+        self.target_busy = 0.0
+
+    def _post(self, m: int) -> None:
+        header, feats = self.shape.empty(self.topo.device)
+        src = self.topo.target_rank_for(m)
+        ops = [dist.P2POp(dist.irecv, header, src), dist.P2POp(dist.irecv, feats, src)]
+        self.pending[m] = (dist.batch_isend_irecv(ops), header, feats)
+
+    def get(self, m: int, next_m: int | None) -> tuple[PackedBatch, torch.Tensor]:
+        if m not in self.pending:
+            self._post(m)
+        if next_m is not None and next_m not in self.pending:
+            self._post(next_m)
+        works, header, feats = self.pending.pop(m)
+        t0 = time.perf_counter()
+        for work in works:
+            work.wait()
+        if self.topo.device.type == "cuda":
+            torch.cuda.current_stream().synchronize()
+        self.wait_s += time.perf_counter() - t0
+        batch, self.target_busy = unpack_header(header, self.shape)
+        return batch, feats

@@ -1,0 +1,61 @@
+"""--resume continues a run bit for bit, and refuses a run it cannot continue."""
+
+import pytest
+import torch
+from helpers import random_docs
+
+from flashdraft.config import resolve_config
+from flashdraft.data.packing import save_token_dataset
+from flashdraft.train.trainer import build_trainer
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("data")
+    save_token_dataset(random_docs([70, 90, 120, 60, 100, 80] * 2, seed=5, prompt_len=10), path)
+    return path
+
+
+def _cfg(**over):
+    base = {"data.seq_len": 128, "data.rows_per_batch": 2, "num_anchors": 8, "max_steps": 6, "epochs": 2}
+    base.update({"drafter.num_layers": 1, "drafter.num_taps": 2, "log_every": 2, "optim.warmup_ratio": 0.2})
+    return resolve_config("default", **{**base, **over})
+
+
+def _weights(trainer):
+    return {k: v.clone() for k, v in trainer.drafter.state_dict().items()}
+
+
+def test_resumed_run_ends_bitwise_equal_to_an_uninterrupted_one(tmp_path, tiny_target_dir, data_dir):
+    whole = build_trainer(_cfg(), tiny_target_dir, data_dir, tmp_path / "whole", device="cpu")
+    whole.run()
+    expected = _weights(whole)
+
+    out = tmp_path / "stopped"
+    first = build_trainer(_cfg(), tiny_target_dir, data_dir, out, device="cpu")
+    for _ in range(3):  # the process dies after the checkpoint of step 3
+        first.train_step()
+    first.save()
+    resumed = build_trainer(_cfg(), tiny_target_dir, data_dir, out, device="cpu", resume=True)
+    assert resumed.step == 3
+    resumed.run()
+    got = _weights(resumed)
+    assert all(torch.equal(got[k], expected[k]) for k in expected)
+    assert (out / "checkpoints" / "LATEST").read_text().strip() == "step_000006"
+
+
+def test_resume_refuses_a_changed_model_or_data_stream(tmp_path, tiny_target_dir, data_dir):
+    out = tmp_path / "run"
+    t = build_trainer(_cfg(), tiny_target_dir, data_dir, out, device="cpu")
+    t.train_step()
+    t.save()
+    with pytest.raises(ValueError, match="num_anchors: 8 -> 16"):
+        build_trainer(_cfg(num_anchors=16), tiny_target_dir, data_dir, out, device="cpu", resume=True)
+    with pytest.raises(ValueError, match="micro-batches per step"):
+        build_trainer(_cfg(grad_accum=2), tiny_target_dir, data_dir, out, device="cpu", resume=True)
+    build_trainer(_cfg(**{"optim.lr": 1e-4}), tiny_target_dir, data_dir, out, device="cpu", resume=True)
+
+
+def test_resume_without_a_checkpoint_is_an_error(tmp_path, tiny_target_dir, data_dir):
+    with pytest.raises(ValueError, match="no complete checkpoint"):
+        build_trainer(_cfg(), tiny_target_dir, data_dir, tmp_path / "empty", device="cpu", resume=True)
