@@ -6,9 +6,9 @@ import sys
 
 import pytest
 import torch
-from helpers import random_docs
 
 from flashdraft.data.packing import save_token_dataset
+from helpers import random_docs
 
 pytestmark = pytest.mark.slow
 
@@ -32,8 +32,9 @@ def _train(tmp_path, target, data, name, grad_accum, *extra) -> tuple[list[float
     cfg = tmp_path / f"{name}.yaml"
     cfg.write_text(CONFIG % grad_accum)
     out = tmp_path / name
-    cmd = [sys.executable, "-m", "flashdraft.cli.main", "train", "--target", str(target), "--data", str(data),
-           "--out", str(out), "--config", str(cfg), "--max-steps", "3", "--device", "cpu", *extra]  # fmt: skip
+    cmd = [sys.executable, "-m", "flashdraft.cli.main", "train", "--target", str(target), "--data",
+           str(data), "--out", str(out), "--config", str(cfg), "--max-steps", "3", "--device", "cpu",
+           *extra]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=150)
     assert proc.returncode == 0, proc.stderr[-3000:]
     losses = [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -60,8 +61,9 @@ def test_colocated_and_split_layouts_match_one_process(tmp_path, tiny_target_dir
 def test_a_layout_that_does_not_fit_the_world_is_refused(tmp_path, tiny_target_dir, data_dir):
     cfg = tmp_path / "c.yaml"
     cfg.write_text(CONFIG % 1)
-    cmd = [sys.executable, "-m", "flashdraft.cli.main", "train", "--target", str(tiny_target_dir), "--data",
-           str(data_dir), "--out", str(tmp_path / "r"), "--config", str(cfg), "--layout", "split:2:2"]  # fmt: skip
+    cmd = [sys.executable, "-m", "flashdraft.cli.main", "train", "--target", str(tiny_target_dir),
+           "--data", str(data_dir), "--out", str(tmp_path / "r"), "--config", str(cfg),
+           "--layout", "split:2:2"]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert "split:2:2 needs 4 processes" in proc.stderr

@@ -2,11 +2,11 @@
 
 import pytest
 import torch
-from helpers import random_docs
 
 from flashdraft.config import resolve_config
 from flashdraft.data.packing import save_token_dataset
 from flashdraft.train.trainer import build_trainer
+from helpers import random_docs
 
 
 @pytest.fixture(scope="module")

@@ -24,7 +24,7 @@ def _fail(message: str, code: int = 2) -> None:
 def train(
     target: str = typer.Option(..., help="target model: local HF directory or hub id"),
     data: Path = typer.Option(..., help="token dataset directory (from `flashdraft data prepare`)"),
-    out: Path = typer.Option(..., help="run directory"),
+    out: Path | None = typer.Option(None, help="run directory (default: the --resume run)"),
     config: Path | None = typer.Option(None, help="YAML config overlaid on the preset"),
     preset: str = typer.Option("default", help="named preset: default, tiny_cpu, qwen3_8b_h200"),
     max_steps: int | None = typer.Option(None, help="stop after this many optimizer steps"),
@@ -33,9 +33,11 @@ def train(
     device: str | None = typer.Option(None, help="cpu or cuda (default: cuda when visible)"),
     layout: str = typer.Option("colocated", help="colocated, or split:T:D (T target + D drafter ranks)"),
     nproc: int | None = typer.Option(None, help="launch N processes on this machine (torch's launcher)"),
-    resume: bool = typer.Option(
-        False, "--resume", help="continue the run in --out from its LATEST checkpoint"
+    resume: str | None = typer.Option(
+        None, help="continue a run from its LATEST checkpoint: its directory, or its s3:// mirror"
     ),
+    s3: str | None = typer.Option(None, help="mirror checkpoints and logs to s3://bucket/prefix"),
+    keep_last: int | None = typer.Option(None, help="keep only the newest K checkpoints"),
 ) -> None:
     """Online training: the frozen target computes features each step, the drafter learns from them.
 
@@ -51,9 +53,20 @@ def train(
     from flashdraft.config import resolve_config
     from flashdraft.train.trainer import build_trainer
 
+    if resume and resume.startswith("s3://"):
+        s3 = s3 or resume
+    elif resume:
+        out = out or Path(resume)
+        if out != Path(resume):
+            _fail(f"--resume {resume} and --out {out} name different runs")
+    if out is None:
+        _fail("--out is required (or --resume RUN)")
     try:
-        cfg = resolve_config(preset, config, max_steps=max_steps, save_every=save_every, seed=seed)
-        trainer = build_trainer(cfg, target, str(data), str(out), device=device, layout=layout, resume=resume)
+        over = {"max_steps": max_steps, "save_every": save_every, "seed": seed, "keep_last": keep_last}
+        cfg = resolve_config(preset, config, **over)
+        trainer = build_trainer(
+            cfg, target, str(data), str(out), device, layout, resume=resume is not None, s3_url=s3
+        )
     except (ValueError, FileNotFoundError) as e:
         _fail(str(e))
     result = trainer.run(progress=_print_progress(cfg.log_every))
@@ -149,6 +162,17 @@ def bench(
     Console().print(table)
     if json_out:
         json_out.write_text(json.dumps(dataclasses.asdict(r), indent=2))
+
+
+def _mount_subcommands() -> None:
+    from flashdraft.cli.data import data_app
+    from flashdraft.cli.doctor import doctor_cmd
+
+    app.add_typer(data_app, name="data", help="Prepare and regenerate training data with the target.")
+    app.command("doctor")(doctor_cmd)
+
+
+_mount_subcommands()
 
 
 def main() -> None:

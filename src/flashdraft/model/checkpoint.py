@@ -89,6 +89,26 @@ def save_checkpoint(
     return final
 
 
+def prune_checkpoints(ckpt_root: Path, keep: int, protect: Path | None = None) -> list[Path]:
+    """Delete all but the newest `keep` complete checkpoints (never LATEST's, never `protect`).
+    Called only after a newer checkpoint is complete (and, with S3, uploaded)."""
+    latest = latest_checkpoint(ckpt_root)
+    done = sorted(p for p in ckpt_root.glob("step_*") if p.is_dir())
+    removed = []
+    for old in done[:-keep] if keep > 0 else done:
+        if old in (latest, protect):
+            continue
+        shutil.rmtree(old)
+        removed.append(old)
+    return removed
+
+
+def remove_partial_checkpoints(ckpt_root: Path) -> None:
+    """Delete what a killed save left behind: temporary directories never renamed."""
+    for tmp in ckpt_root.glob(".tmp-*"):
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def latest_checkpoint(ckpt_root: Path) -> Path | None:
     marker = ckpt_root / LATEST
     if not marker.exists():

@@ -23,10 +23,25 @@ from flashdraft.config import TrainConfig, save_config
 from flashdraft.data.packing import MicroBatchStream, PackedLoader, load_token_dataset
 from flashdraft.dist.exchange import MessageShape, RemoteFeatures, serve_features
 from flashdraft.dist.topology import Topology, init_topology
-from flashdraft.model.checkpoint import latest_checkpoint, save_checkpoint
+from flashdraft.model.checkpoint import (
+    latest_checkpoint,
+    prune_checkpoints,
+    remove_partial_checkpoints,
+    save_checkpoint,
+)
 from flashdraft.model.drafter import DFlashDrafter, drafter_config
 from flashdraft.model.target import Target, load_target
+from flashdraft.run.fingerprint import ENV_FILE, fingerprint
 from flashdraft.train.blocks import default_gamma, row_generators
+from flashdraft.train.compile import (
+    ARTIFACTS,
+    artifacts_writer,
+    load_artifacts,
+    recompiles_are_errors,
+    reset_stance,
+    use_cache_dir,
+    warm_up,
+)
 from flashdraft.train.metrics import MetricsLogger
 from flashdraft.train.state import load_trainer_state, trainer_state_writer
 from flashdraft.train.step import micro_step_loss, plan_micro_batch, target_features
@@ -143,6 +158,25 @@ def init_drafter_(drafter: DFlashDrafter, std: float, seed: int) -> None:
                 p.copy_(torch.randn(p.shape, generator=g) * std)
 
 
+def forget_metrics_after(path: Path, step: int) -> None:
+    """A resumed run redoes the steps after its checkpoint: drop their old metric lines."""
+    if not path.exists():
+        return
+    kept = [line for line in path.read_text().splitlines(keepends=True) if _metric_step(line) <= step]
+    path.write_text("".join(kept))
+
+
+def _metric_step(line: str) -> int:
+    try:
+        return int(json.loads(line).get("step", 0))
+    except (ValueError, AttributeError):
+        return 1 << 62  # a line torn by a kill is dropped
+
+
+def write_fingerprint(path: Path, extra: dict) -> None:
+    Path(path).write_text(json.dumps(fingerprint(extra=extra), indent=1, sort_keys=True))
+
+
 def build_trainer(
     cfg: TrainConfig,
     target_path: str,
@@ -151,9 +185,19 @@ def build_trainer(
     device: str | None = None,
     layout: str = "colocated",
     resume: bool = False,
+    s3_url: str | None = None,
 ) -> Trainer:
-    """Read the world, load the target and the token dataset, build the drafter: a Trainer ready to run."""
+    """Read the world, load the target and the token dataset, build the drafter: a Trainer ready to run.
+
+    With `s3_url`, checkpoints and logs are mirrored there; resuming with an empty `out_dir` first
+    restores the run's newest complete checkpoint from it (a fresh machine).
+    """
     topo = init_topology(layout, device)
+    if resume and s3_url and topo.is_main and latest_checkpoint(Path(out_dir) / "checkpoints") is None:
+        from flashdraft.run.s3 import restore_run
+
+        restore_run(s3_url, Path(out_dir))
+    topo.barrier()
     torch.manual_seed(cfg.seed)
     model, tokenizer = load_target(target_path, topo.device)
     pad = cfg.data.pad_token_id
@@ -207,6 +251,11 @@ class Trainer:
         self.gamma = cfg.gamma or default_gamma(cfg.drafter.block_size)
         self.compiled = cfg.compile if cfg.compile is not None else self.device.type == "cuda"
         self.attention = resolve_attention(cfg.attention, self.device)
+        self.compile_report = None
+        if self.compiled:
+            self.cache_dir = use_cache_dir(None, self.device)
+            for layer in drafter.layers:
+                layer.compile(dynamic=False)
         self.model = drafter
         if self.topo.num_drafters > 1 and self.topo.is_drafter:
             self.model = DistributedDataParallel(drafter, process_group=self.topo.drafter_group)
@@ -222,6 +271,9 @@ class Trainer:
             self.optimizer, lambda s: cosine_lr(s, total_steps, warmup, cfg.optim.min_lr_ratio)
         )
         self.step = 0
+        self.mirror = None
+        self.last_metrics: dict = {}
+        self.artifacts_loaded = False
         self.remote = None
         if self.topo.layout.kind == "split" and self.topo.is_drafter:
             self.remote = RemoteFeatures(self.topo, self.message_shape())
@@ -238,6 +290,9 @@ class Trainer:
         if ckpt is None:
             raise ValueError(f"--resume: {self.out}/checkpoints has no complete checkpoint (no LATEST)")
         self.step = load_trainer_state(ckpt, self)
+        if self.topo.is_main:
+            forget_metrics_after(self.out / "metrics.jsonl", self.step)
+        self.artifacts_loaded = self.compiled and load_artifacts(ckpt)
 
     def micro_indices(self, step: int) -> list[int]:
         """Global micro-batches this drafter rank trains on at `step` (1-based)."""
@@ -314,6 +369,21 @@ class Trainer:
         self.step = step
         return stats
 
+    def train_step_guarded(self, timer: PhaseTimer = NULL_TIMER) -> StepStats:
+        """train_step; the first compiled one is the warm-up, after which recompiling is an error."""
+        if not self.compiled:
+            return self.train_step(timer)
+        if self.compile_report is None:
+            out: list[StepStats] = []
+            self.compile_report = warm_up(
+                lambda: out.append(self.train_step(timer)), self.cache_dir, self.artifacts_loaded
+            )
+            if self.topo.is_main:
+                print(self.compile_report.line(), flush=True)
+            return out[0]
+        with recompiles_are_errors():
+            return self.train_step(timer)
+
     def _reduce_stats(self, stats: StepStats) -> None:
         """Sum a step's loss and accuracy counts over drafter ranks (at log steps only)."""
         for t in (stats.loss_sum, stats.correct, stats.counted):
@@ -333,19 +403,28 @@ class Trainer:
         if not self.topo.is_drafter:
             self.serve()
             return None
+        try:
+            return self._run(progress)
+        finally:
+            if self.compiled:
+                reset_stance()
+
+    def _run(self, progress) -> TrainResult:
         cfg = self.cfg
         main = self.topo.is_main
         log = None
         if main:
             self.out.mkdir(parents=True, exist_ok=True)
+            remove_partial_checkpoints(self.out / "checkpoints")
             save_config(cfg, self.out / "config.yaml", extra={**self.meta, "layout": str(self.topo.layout)})
+            write_fingerprint(self.out / ENV_FILE, self._fingerprint_extra())
             log = MetricsLogger(self.out, total_steps=self.total_steps)
         first = last = float("nan")
         window_tokens, window_wait = 0, 0.0
         window_positions = torch.zeros((), device=self.device)
         window_start = time.perf_counter()
         while self.step < self.total_steps:
-            stats = self.train_step()
+            stats = self.train_step_guarded()
             step = self.step
             window_tokens += stats.ctx_tokens
             window_positions += stats.draft_positions
@@ -368,6 +447,7 @@ class Trainer:
                     m["target_busy"] = self.remote.target_busy
                     window_wait = self.remote.wait_s
                 last = m["loss"]
+                self.last_metrics = m
                 if main:
                     log.log(m)
                     if progress is not None:
@@ -383,14 +463,44 @@ class Trainer:
             (self.out / "result.json").write_text(
                 json.dumps({"steps": self.total_steps, "first_loss": first, "final_loss": last})
             )
+            if self.mirror is not None:
+                self._mirror_run_files()
+                if not self.mirror.close(timeout=600):
+                    print("warning: the S3 mirror did not finish uploading within 10 minutes", flush=True)
         return TrainResult(self.total_steps, last, first, ckpt)
 
+    def _fingerprint_extra(self) -> dict:
+        keys = ("step", "ctx_tok_s", "draft_pos_s", "loss")
+        return {"throughput": {k: self.last_metrics[k] for k in keys if k in self.last_metrics}}
+
     def save(self) -> Path | None:
-        """Checkpoint on the main rank (complete or absent); every drafter rank waits for it."""
+        """Checkpoint on the main rank (complete or absent); every drafter rank waits for it.
+
+        Older checkpoints beyond `keep_last` are pruned once this one is complete, and with an S3
+        mirror only once this one's upload is confirmed.
+        """
         path = None
         if self.topo.is_main:
-            extra = {"trainer_state.pt": trainer_state_writer(self)}
-            path = save_checkpoint(self.drafter, self.out / "checkpoints", self.step, extra)
+            extra = {
+                "trainer_state.pt": trainer_state_writer(self),
+                ENV_FILE: lambda p: write_fingerprint(p, self._fingerprint_extra()),
+            }
+            if self.compiled:
+                extra[ARTIFACTS] = artifacts_writer()
+            root = self.out / "checkpoints"
+            path = save_checkpoint(self.drafter, root, self.step, extra)
+            keep = self.cfg.keep_last
+            if self.mirror is not None:
+                prune = (lambda done: prune_checkpoints(root, keep, protect=done)) if keep else None
+                self.mirror.submit_dir(path, f"checkpoints/{path.name}", on_done=prune)
+                self._mirror_run_files()
+            elif keep:
+                prune_checkpoints(root, keep)
         if self.topo.num_drafters > 1:
             dist.barrier(group=self.topo.drafter_group)
         return path
+
+    def _mirror_run_files(self) -> None:
+        for name in ("config.yaml", ENV_FILE, "metrics.jsonl", "train.log"):
+            if (self.out / name).exists():
+                self.mirror.submit_file(self.out / name, name)

@@ -1,0 +1,180 @@
+"""`flashdraft data prepare|regenerate`: thin entry points over flashdraft.data.prepare and .regenerate.
+
+Options are validated here, the work is built and run there. Heavy libraries (transformers, datasets) are
+imported inside the commands so `--help` and the server backend start fast. Exit status: 0 done, 1 done
+but some records failed or none was kept, 2 bad options, unreadable input, or a bad record under --strict.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import NoReturn
+
+import typer
+
+data_app = typer.Typer(
+    help="Turn chat data into token shards (prepare) and rewrite its answers with the target (regenerate).",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+)
+
+THINKING_HELP = "pass enable_thinking=true/false to the chat template (default: the template's own default)"
+
+
+def _fail(message: str, code: int = 2) -> NoReturn:
+    typer.echo(f"error: {message}", err=True)
+    raise typer.Exit(code)
+
+
+def _read_template(path: Path | None) -> str | None:
+    if path is None:
+        return None
+    try:
+        return path.read_text()
+    except OSError as e:
+        _fail(f"--chat-template {path}: {e.strerror}")
+
+
+@data_app.command()
+def prepare(
+    target: str = typer.Option(
+        ..., help="target model (local HF directory or hub id) whose tokenizer to use"
+    ),
+    input: str = typer.Option(..., "--input", help="JSONL, JSON or Parquet file, or a `datasets` dataset id"),
+    out: Path = typer.Option(..., help="output directory: shards/, stats.json, rejected.jsonl"),
+    split: str = typer.Option("train", help="split to read when --input is a `datasets` dataset"),
+    max_length: int | None = typer.Option(None, min=1, help="longest conversation in tokens"),
+    truncate: bool = typer.Option(True, "--truncate/--drop", help="longer conversations: cut, or reject"),
+    thinking: bool | None = typer.Option(None, "--thinking/--no-thinking", help=THINKING_HELP),
+    chat_template: Path | None = typer.Option(
+        None, help="Jinja chat template file, for tokenizers without one"
+    ),
+    num_proc: int = typer.Option(min(os.cpu_count() or 1, 16), min=1, help="tokenizer processes (at most)"),
+    strict: bool = typer.Option(False, help="stop with exit status 2 at the first bad record"),
+    cache_dir: Path | None = typer.Option(None, help="tokenization cache (default: the `datasets` cache)"),
+) -> None:
+    """Validate chat records, tokenize them with the target's chat template, write token shards + stats.
+
+    Bad records are reported as FILE:LINE: reason on stderr, counted in stats.json and copied verbatim to
+    OUT/rejected.jsonl. The loss mask is 1 exactly on assistant-written tokens, end-of-turn token included.
+    """
+    from transformers import AutoTokenizer
+
+    from flashdraft.data.formats import SourceError
+    from flashdraft.data.prepare import PrepareOptions, StrictStop, prepare_dataset
+
+    options = PrepareOptions(
+        max_length=max_length,
+        drop_long=not truncate,
+        enable_thinking=thinking,
+        chat_template=_read_template(chat_template),
+        num_proc=num_proc,
+        strict=strict,
+        split=split,
+        cache_dir=cache_dir,
+    )
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(target)
+        _warn_if_thinking_ignored(thinking, options.chat_template or tokenizer.chat_template)
+        stats = prepare_dataset(input, tokenizer, out, options)
+    except StrictStop:
+        _fail("stopped at the first bad record (--strict); it is copied to " + str(out / "rejected.jsonl"))
+    except (OSError, ValueError, SourceError) as e:
+        _fail(str(e))
+    _report_prepare(stats, out)
+
+
+def _warn_if_thinking_ignored(thinking: bool | None, template) -> None:
+    if thinking is not None and "enable_thinking" not in str(template):
+        typer.echo("warning: the chat template ignores enable_thinking; --thinking has no effect", err=True)
+
+
+def _report_prepare(stats: dict, out: Path) -> None:
+    reasons = ", ".join(f"{n} {r}" for r, n in stats["rejected_by_reason"].items() if n)
+    typer.echo(
+        f"kept {stats['kept']} of {stats['records_read']} records"
+        + (f" (rejected: {reasons}; see {out / 'rejected.jsonl'})" if reasons else "")
+        + f"; {stats['tokens']} tokens, {stats['loss_tokens']} loss tokens -> {out}"
+    )
+    if stats["kept"] == 0:
+        _fail("no record was kept", code=1)
+
+
+@data_app.command()
+def regenerate(
+    target: str = typer.Option(
+        ..., help="target model: loaded by the local backend, the default --model name"
+    ),
+    input: str = typer.Option(..., "--input", help="JSONL, JSON or Parquet file, or a `datasets` dataset id"),
+    out: Path = typer.Option(..., help="output JSONL, appended to; failures go to OUT.failed.jsonl"),
+    split: str = typer.Option("train", help="split to read when --input is a `datasets` dataset"),
+    server: str | None = typer.Option(None, help="OpenAI-compatible server URL (SGLang, vLLM)"),
+    backend: str | None = typer.Option(None, help="server or local (default: server when --server is given)"),
+    model: str | None = typer.Option(None, help="model name sent to the server (default: --target)"),
+    concurrency: int = typer.Option(64, min=1, help="server: conversations in flight"),
+    timeout: float = typer.Option(600.0, min=0.1, help="server: seconds per request"),
+    retries: int = typer.Option(5, min=0, help="server: retries of a failed request"),
+    backoff: float = typer.Option(
+        1.0, min=0.0, help="server: first retry delay in seconds, doubled each time"
+    ),
+    temperature: float = typer.Option(0.0, min=0.0, help="sampling temperature (0: greedy)"),
+    max_tokens: int = typer.Option(2048, min=1, help="most new tokens per assistant turn"),
+    thinking: bool | None = typer.Option(None, "--thinking/--no-thinking", help=THINKING_HELP),
+    batch_size: int = typer.Option(8, min=1, help="local: conversations per generate batch"),
+    chat_template: Path | None = typer.Option(None, help="local: Jinja chat template file"),
+    device: str | None = typer.Option(None, help="local: torch device (default: cuda when visible)"),
+    limit: int | None = typer.Option(
+        None, min=1, help="stop after this many records (the next run continues)"
+    ),
+    progress: bool = typer.Option(True, help="show a progress bar on stderr"),
+) -> None:
+    """Rewrite every assistant turn with the target, turn by turn; resumable (rerun the same command).
+
+    Output lines are {"id", "messages", "truncated_turns"}; records already in OUT are skipped, failures
+    of this run are written with their reason to OUT.failed.jsonl and retried by the next run.
+    """
+    from flashdraft.data.formats import SourceError
+    from flashdraft.data.regenerate import LocalBackend, ServerBackend, regenerate_file
+
+    kind = backend or ("server" if server else "local")
+    if kind not in ("server", "local"):
+        _fail(f"--backend must be server or local, not {kind!r}")
+    if kind == "server" and not server:
+        _fail("--backend server needs --server URL")
+    try:
+        if kind == "server":
+            engine = ServerBackend(
+                server,
+                model or target,
+                max_tokens,
+                temperature=temperature,
+                enable_thinking=thinking,
+                concurrency=concurrency,
+                timeout=timeout,
+                retries=retries,
+                backoff=backoff,
+            )
+        else:
+            engine = LocalBackend.load(
+                target,
+                device,
+                max_new_tokens=max_tokens,
+                temperature=temperature,
+                batch_size=batch_size,
+                enable_thinking=thinking,
+                chat_template=_read_template(chat_template),
+            )
+        summary = regenerate_file(engine, input, out, split=split, limit=limit, progress=progress)
+    except (OSError, ValueError, SourceError) as e:
+        _fail(str(e))
+    typer.echo(
+        f"regenerated {summary.regenerated} records ({summary.already_done} were already done, "
+        f"{summary.truncated_turns} turns cut at --max-tokens) -> {out}"
+    )
+    if summary.failed:
+        _fail(f"{summary.failed} records failed; reasons in {summary.failed_path}", code=1)
+
+
+if __name__ == "__main__":
+    data_app()

@@ -1,0 +1,270 @@
+"""Chat records in, validated conversations out: the one place that knows the input formats.
+
+`flashdraft data prepare` and `flashdraft data regenerate` both read OpenAI-style
+`{"messages": [{"role", "content"}]}` and ShareGPT-style `{"conversations": [{"from", "value"}]}` records
+from JSONL, a JSON array, Parquet, or anything `datasets.load_dataset` loads (a hub id, a local dataset
+folder). Each record keeps where it came from (FILE:LINE; the row number for Parquet and datasets) and its
+raw bytes, so a bad one is reported where it is and copied verbatim to a rejects file instead of vanishing.
+Validation failures are `ConversationError`s carrying a short reason code that stats files count by.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+# Every reason a record can be turned away for, in the order stats files list them.
+REASONS = (
+    "invalid_utf8",
+    "malformed_json",
+    "bad_structure",
+    "bad_id",
+    "unknown_role",
+    "non_string_content",
+    "missing_assistant",
+    "empty_assistant",
+    "template_error",
+    "too_long",
+    "no_loss_tokens",
+)
+
+ROLE_ALIASES = {
+    "system": "system",
+    "user": "user",
+    "human": "user",
+    "assistant": "assistant",
+    "gpt": "assistant",
+    "chatgpt": "assistant",
+}
+
+
+class ConversationError(ValueError):
+    """One record is unusable; `reason` is a short code (see REASONS), the message says what is wrong."""
+
+    def __init__(self, reason: str, message: str):
+        super().__init__(message)
+        self.reason = reason
+
+
+class SourceError(ValueError):
+    """The source as a whole is unusable (missing, not loadable, not a valid JSON array)."""
+
+
+@dataclass(frozen=True)
+class RawRecord:
+    source: str
+    line: int
+    raw: bytes
+
+    @property
+    def where(self) -> str:
+        return f"{self.source}:{self.line}"
+
+    @property
+    def default_id(self) -> str:
+        """The id of a record that has none: stable across runs however the path was spelled."""
+        return f"{Path(self.source).name}:{self.line}"
+
+
+@dataclass
+class Conversation:
+    id: str
+    messages: list[dict[str, str]]
+    where: str = ""  # FILE:LINE it was read from
+
+    def to_json(self) -> dict:
+        return {"id": self.id, "messages": self.messages}
+
+
+def with_reasoning(content: str, reasoning: str) -> str:
+    """Fold separately delivered reasoning into the content the way thinking templates (Qwen3) split it."""
+    return f"<think>\n{reasoning.strip()}\n</think>\n\n{content.lstrip()}"
+
+
+# ---------------------------------------------------------------------------------------------- reading
+
+
+def iter_raw_records(source: str, split: str = "train") -> Iterator[RawRecord]:
+    """Every record of `source` in order: a JSONL, JSON-array or Parquet file, else a `datasets` dataset."""
+    path = Path(source)
+    if path.is_file():
+        if path.suffix == ".parquet":
+            yield from _parquet_records(path, source)
+        elif path.suffix != ".jsonl" and _starts_with_bracket(path):
+            yield from _json_array_records(path, source)
+        else:
+            yield from _jsonl_records(path, source)
+    elif path.suffix in (".jsonl", ".json", ".parquet"):  # a file name, not a dataset id: fail now, offline
+        raise SourceError(f"{source}: no such file")
+    else:
+        yield from _dataset_records(source, split)
+
+
+def count_records(source: str, split: str = "train") -> int:
+    path = Path(source)
+    if path.is_file() and path.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        return pq.ParquetFile(path).metadata.num_rows
+    return sum(1 for _ in iter_raw_records(source, split))
+
+
+def _jsonl_records(path: Path, source: str) -> Iterator[RawRecord]:
+    with open(path, "rb") as f:
+        for n, line in enumerate(f, 1):
+            if line.strip():
+                yield RawRecord(source, n, line.rstrip(b"\r\n"))
+
+
+def _starts_with_bracket(path: Path) -> bool:
+    with open(path, "rb") as f:
+        while chunk := f.read(4096):
+            stripped = chunk.lstrip()
+            if stripped:
+                return stripped.startswith(b"[")
+    return False
+
+
+def _json_array_records(path: Path, source: str) -> Iterator[RawRecord]:
+    """Elements of a top-level JSON array, each with the line it starts on, as one-line raw records.
+
+    Invalid UTF-8 survives decoding as surrogate escapes and is re-encoded to the original bytes, so that
+    element is rejected on its own. A syntax error breaks record boundaries: the whole source fails.
+    """
+    text = path.read_bytes().decode("utf-8", "surrogateescape")
+    decoder = json.JSONDecoder()
+    pos = _skip_space(text, text.index("[") + 1)
+    line = 1 + text.count("\n", 0, pos)
+    while _char(text, pos, source) != "]":
+        try:
+            _, end = decoder.raw_decode(text, pos)
+        except json.JSONDecodeError as e:
+            raise SourceError(f"{source}:{e.lineno}: not a valid JSON array: {e.msg}") from e
+        # A raw line break cannot occur inside a JSON string, so joining lines keeps the element's meaning.
+        element = text[pos:end].replace("\r", " ").replace("\n", " ")
+        yield RawRecord(source, line, element.encode("utf-8", "surrogateescape"))
+        nxt = _skip_space(text, end)
+        if _char(text, nxt, source) == ",":
+            nxt = _skip_space(text, nxt + 1)
+        elif _char(text, nxt, source) != "]":
+            line += text.count("\n", pos, nxt)
+            raise SourceError(f"{source}:{line}: expected ',' or ']' after an element of the JSON array")
+        line += text.count("\n", pos, nxt)
+        pos = nxt
+
+
+def _skip_space(text: str, pos: int) -> int:
+    while pos < len(text) and text[pos] in " \t\r\n":
+        pos += 1
+    return pos
+
+
+def _char(text: str, pos: int, source: str) -> str:
+    if pos >= len(text):
+        raise SourceError(f"{source}: the JSON array ends before its closing ']'")
+    return text[pos]
+
+
+def _parquet_records(path: Path, source: str) -> Iterator[RawRecord]:
+    import pyarrow.parquet as pq
+
+    n = 0
+    for batch in pq.ParquetFile(path).iter_batches(batch_size=1024):
+        for row in batch.to_pylist():
+            n += 1
+            yield RawRecord(source, n, _row_bytes(row))
+
+
+def _dataset_records(source: str, split: str) -> Iterator[RawRecord]:
+    import datasets
+
+    try:
+        ds = datasets.load_dataset(source, split=split)
+    except Exception as e:  # datasets raises many types (not found, offline, bad config): all mean the same
+        raise SourceError(f"{source}: not a file, and `datasets` cannot load it: {e}") from e
+    for n, row in enumerate(ds, 1):
+        yield RawRecord(source, n, _row_bytes(row))
+
+
+def _row_bytes(row: dict) -> bytes:
+    return json.dumps(row, ensure_ascii=False, default=str).encode("utf-8")
+
+
+# ------------------------------------------------------------------------------------------- validating
+
+
+def parse_record(record: RawRecord, require_answers: bool = True) -> Conversation:
+    """Validate and normalise one record to OpenAI-style messages with roles system/user/assistant.
+
+    `require_answers=False` (regeneration) accepts missing or empty assistant turns: the target writes them.
+    """
+    obj = _decode(record.raw)
+    if not isinstance(obj, dict):
+        raise ConversationError("bad_structure", f"expected a JSON object, got {type(obj).__name__}")
+    turns = obj.get("messages") or obj.get("conversations")
+    if not isinstance(turns, list) or not turns:
+        raise ConversationError("bad_structure", "no non-empty 'messages' or 'conversations' list")
+    messages = [_message(turn, i) for i, turn in enumerate(turns)]
+    system = obj.get("system")  # some ShareGPT exports keep the system prompt beside the turns
+    if isinstance(system, str) and system and messages[0]["role"] != "system":
+        messages.insert(0, {"role": "system", "content": system})
+    if require_answers:
+        _check_answers(messages)
+    return Conversation(_record_id(obj.get("id"), record), messages, record.where)
+
+
+def _decode(raw: bytes) -> object:
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConversationError("invalid_utf8", f"invalid UTF-8 at byte {e.start}") from e
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ConversationError("malformed_json", f"not valid JSON: {e.msg} at column {e.colno}") from e
+
+
+def _message(turn: object, i: int) -> dict[str, str]:
+    if not isinstance(turn, dict):
+        raise ConversationError("bad_structure", f"turn {i} is a {type(turn).__name__}, not an object")
+    role = turn.get("role", turn.get("from"))
+    if not isinstance(role, str) or role.lower() not in ROLE_ALIASES:
+        raise ConversationError("unknown_role", f"turn {i}: unknown role {role!r}")
+    role = ROLE_ALIASES[role.lower()]
+    content = turn["content"] if "content" in turn else turn.get("value")
+    if not isinstance(content, str):
+        raise ConversationError(
+            "non_string_content", f"turn {i} ({role}): content is {type(content).__name__}, not a string"
+        )
+    _check_encodable(content, i)
+    reasoning = turn.get("reasoning_content")
+    if role == "assistant" and isinstance(reasoning, str) and reasoning.strip():
+        content = with_reasoning(content, reasoning)
+    return {"role": role, "content": content}
+
+
+def _check_encodable(content: str, i: int) -> None:
+    """JSON escapes can smuggle lone surrogates into a valid line; they are not UTF-8 text either."""
+    try:
+        content.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ConversationError("invalid_utf8", f"turn {i}: lone surrogate at character {e.start}") from e
+
+
+def _check_answers(messages: list[dict[str, str]]) -> None:
+    answers = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    if not answers:
+        raise ConversationError("missing_assistant", "no assistant turn")
+    for i in answers:
+        if not messages[i]["content"].strip():
+            raise ConversationError("empty_assistant", f"turn {i}: empty assistant turn")
+
+
+def _record_id(value: object, record: RawRecord) -> str:
+    if value is None:
+        return record.default_id
+    if isinstance(value, bool) or not isinstance(value, str | int):
+        raise ConversationError("bad_id", f"id must be a string or an integer, got {value!r}")
+    return str(value)

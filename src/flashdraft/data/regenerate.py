@@ -1,0 +1,465 @@
+"""`flashdraft data regenerate`: the target rewrites every assistant turn, so the drafter learns the target's
+own distribution rather than the dataset author's (docs/dflash.md, section 2).
+
+Turn by turn: assistant turn k is generated from the conversation with turns < k already rewritten, as
+the target sees it when serving; a conversation that ends with a user turn gets an answer appended. Two
+backends yield (conversation, result) pairs to one driver: `ServerBackend` talks to any OpenAI-compatible
+server (SGLang, vLLM) with bounded concurrency, timeouts and retries; `LocalBackend` batches `generate` on
+a transformers model, for small targets and tests. The driver appends one JSON line per finished record
+and flushes it, so a run killed at any point resumes from the ids already written (a line cut short by the
+kill is dropped and redone), and writes every failure with its reason to FILE.failed.jsonl.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import time
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from contextlib import contextmanager
+from dataclasses import dataclass
+from itertools import islice
+from pathlib import Path
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, ProgressColumn, TimeRemainingColumn
+from rich.text import Text
+
+from flashdraft.data.formats import (
+    Conversation,
+    ConversationError,
+    SourceError,
+    count_records,
+    iter_raw_records,
+    parse_record,
+    with_reasoning,
+)
+
+_RETRY_STATUS = {408, 409, 425, 429, 500, 502, 503, 504}
+_MAX_BACKOFF_S = 60.0
+
+
+@dataclass
+class Regenerated:
+    messages: list[dict[str, str]]
+    truncated_turns: int  # turns cut at the token limit instead of ending with end-of-turn
+
+
+Outcome = tuple[Conversation, Regenerated | ConversationError]
+
+
+def answer_slots(messages: list[dict[str, str]]) -> list[dict[str, str]]:
+    """A copy of the conversation with an empty assistant turn after a final user turn, to be answered."""
+    slots = [dict(m) for m in messages]
+    if slots and slots[-1]["role"] == "user":
+        slots.append({"role": "assistant", "content": ""})
+    if not any(m["role"] == "assistant" for m in slots):
+        raise ConversationError("missing_assistant", "no assistant turn, and no final user turn to answer")
+    return slots
+
+
+# ------------------------------------------------------------------------------------------ server backend
+
+
+class ServerBackend:
+    """Any OpenAI-compatible `/v1/chat/completions` endpoint, `concurrency` conversations in flight."""
+
+    def __init__(
+        self,
+        url: str,
+        model: str,
+        max_tokens: int,
+        temperature: float = 0.0,
+        enable_thinking: bool | None = None,
+        concurrency: int = 64,
+        timeout: float = 600.0,
+        retries: int = 5,
+        backoff: float = 1.0,
+    ):
+        self.endpoint = chat_completions_url(url)
+        self.model = model
+        self.max_tokens = max_tokens
+        self.temperature = temperature
+        self.enable_thinking = enable_thinking
+        self.concurrency = concurrency
+        self.timeout = timeout
+        self.retries = retries
+        self.backoff = backoff
+
+    def regenerate_each(self, conversations: Iterable[Conversation]) -> Iterator[Outcome]:
+        import httpx
+
+        limits = httpx.Limits(max_connections=self.concurrency, max_keepalive_connections=self.concurrency)
+        with httpx.Client(timeout=self.timeout, limits=limits) as client:
+            self._check_reachable(client)
+            yield from bounded_map(lambda c: self._regenerate(client, c), conversations, self.concurrency)
+
+    def _check_reachable(self, client) -> None:
+        """A wrong URL is one clear error before the run, not every record failing after its retries."""
+        import httpx
+
+        models = self.endpoint.removesuffix("/chat/completions") + "/models"
+        try:
+            client.get(models, timeout=min(self.timeout, 30.0))
+        except httpx.TransportError as e:
+            raise ValueError(f"cannot reach the server at {models}: {type(e).__name__}: {e}") from e
+
+    def _regenerate(self, client, conv: Conversation) -> Regenerated | ConversationError:
+        try:
+            messages, truncated = answer_slots(conv.messages), 0
+            for i, message in enumerate(messages):
+                if message["role"] == "assistant":
+                    message["content"], cut = self._complete(client, messages[:i])
+                    truncated += cut
+            return Regenerated(messages, truncated)
+        except ConversationError as e:
+            return e
+
+    def _complete(self, client, messages: list[dict]) -> tuple[str, bool]:
+        body = {
+            "model": self.model,
+            "messages": messages,
+            "max_tokens": self.max_tokens,
+            "temperature": self.temperature,
+        }
+        if self.enable_thinking is not None:
+            body["chat_template_kwargs"] = {"enable_thinking": self.enable_thinking}
+        return parse_completion(self._post(client, body))
+
+    def _post(self, client, body: dict) -> dict:
+        """POST with retries on transport errors and retryable statuses, exponential backoff with jitter."""
+        import httpx
+
+        for attempt in range(self.retries + 1):
+            if attempt:
+                time.sleep(min(self.backoff * 2 ** (attempt - 1), _MAX_BACKOFF_S) * random.uniform(1.0, 1.25))
+            try:
+                response = client.post(self.endpoint, json=body)
+            except httpx.TransportError as e:
+                error = f"{type(e).__name__}: {e}"
+                continue
+            if response.status_code == 200:
+                return _json_body(response)
+            error = f"HTTP {response.status_code}: {response.text[:500]}"
+            if response.status_code not in _RETRY_STATUS:
+                raise ConversationError("server_error", error)
+        raise ConversationError("server_error", f"{error} (gave up after {self.retries} retries)")
+
+
+def chat_completions_url(url: str) -> str:
+    """Accept the server's base URL, its /v1 URL or the full endpoint."""
+    url = url.rstrip("/")
+    if url.endswith("/chat/completions"):
+        return url
+    return url + ("/chat/completions" if url.endswith("/v1") else "/v1/chat/completions")
+
+
+def _json_body(response) -> dict:
+    try:
+        return response.json()
+    except ValueError as e:
+        raise ConversationError("bad_response", f"response is not JSON: {response.text[:200]!r}") from e
+
+
+def parse_completion(data: dict) -> tuple[str, bool]:
+    """(content, cut at max_tokens) of a chat completion; separately returned reasoning is folded back in."""
+    try:
+        choice = data["choices"][0]
+        message = choice["message"]
+        content = message.get("content") or ""
+        reasoning = message.get("reasoning_content") or message.get("reasoning")
+    except (KeyError, IndexError, TypeError, AttributeError) as e:
+        raise ConversationError("bad_response", f"unexpected completion shape: {str(data)[:200]}") from e
+    if isinstance(reasoning, str) and reasoning.strip():
+        content = with_reasoning(content, reasoning)
+    return content, choice.get("finish_reason") == "length"
+
+
+def bounded_map(fn: Callable, items: Iterable, workers: int) -> Iterator[tuple]:
+    """(item, fn(item)) in completion order, with at most `workers` calls running and as many queued."""
+    pool = ThreadPoolExecutor(max_workers=workers)
+    pending: dict[Future, object] = {}
+    items = iter(items)
+    try:
+        for item in islice(items, 2 * workers):
+            pending[pool.submit(fn, item)] = item
+        while pending:
+            done, _ = wait(pending, return_when=FIRST_COMPLETED)
+            for future in done:
+                item = pending.pop(future)
+                yield item, future.result()
+                for nxt in islice(items, 1):
+                    pending[pool.submit(fn, nxt)] = nxt
+    finally:  # on an early exit (Ctrl-C), drop queued calls and do not wait for running ones
+        pool.shutdown(wait=False, cancel_futures=True)
+
+
+# ------------------------------------------------------------------------------------------- local backend
+
+
+class LocalBackend:
+    """The target itself, via transformers `generate`: left-padded batches, greedy at temperature 0.
+
+    Conversations are batched `batch_size` at a time; within a batch, round k generates every
+    conversation's k-th assistant turn in one `generate` call.
+    """
+
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        max_new_tokens: int,
+        temperature: float = 0.0,
+        batch_size: int = 8,
+        enable_thinking: bool | None = None,
+    ):
+        from transformers import GenerationConfig
+
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.batch_size = batch_size
+        self.template_kwargs = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
+        self.stop_ids = _stop_ids(model, tokenizer)
+        sampling = (
+            {"do_sample": True, "temperature": temperature} if temperature > 0 else {"do_sample": False}
+        )
+        self.generation_config = GenerationConfig(
+            max_new_tokens=max_new_tokens,
+            eos_token_id=sorted(self.stop_ids),
+            pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(self.stop_ids),
+            **sampling,
+        )
+
+    @classmethod
+    def load(
+        cls, target: str, device: str | None = None, chat_template: str | None = None, **kwargs
+    ) -> LocalBackend:
+        """Load a local HF directory or hub id (dtype as saved; CUDA when visible unless `device` says)."""
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(target)
+        tokenizer.chat_template = chat_template or tokenizer.chat_template
+        if not tokenizer.chat_template:
+            raise ValueError(
+                f"{target}: the tokenizer has no chat template; supply one (--chat-template FILE)"
+            )
+        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        model = AutoModelForCausalLM.from_pretrained(target, dtype="auto").to(device)
+        return cls(model, tokenizer, **kwargs)
+
+    def regenerate(self, conversations: list[list[dict]]) -> list[list[dict]]:
+        """Every conversation with each assistant turn rewritten by the model (turn by turn)."""
+        results: list[list[dict]] = []
+        for start in range(0, len(conversations), self.batch_size):
+            chunk = [answer_slots(c) for c in conversations[start : start + self.batch_size]]
+            results += [r.messages for r in self._regenerate_batch(chunk)]
+        return results
+
+    def regenerate_each(self, conversations: Iterable[Conversation]) -> Iterator[Outcome]:
+        conversations = iter(conversations)
+        while chunk := list(islice(conversations, self.batch_size)):
+            slotted, todo = [], []
+            for conv in chunk:
+                try:
+                    slotted.append(answer_slots(conv.messages))
+                    todo.append(conv)
+                except ConversationError as e:
+                    yield conv, e
+            yield from zip(todo, self._regenerate_or_fail(slotted), strict=True)
+
+    def _regenerate_or_fail(self, slotted: list[list[dict]]) -> list[Regenerated | ConversationError]:
+        try:
+            return list(self._regenerate_batch(slotted))
+        except Exception as e:  # e.g. out of memory on one long batch: record it, keep the run going
+            return [ConversationError("generation_error", f"{type(e).__name__}: {e}")] * len(slotted)
+
+    def _regenerate_batch(self, slotted: list[list[dict]]) -> list[Regenerated]:
+        turns = [[i for i, m in enumerate(msgs) if m["role"] == "assistant"] for msgs in slotted]
+        truncated = [0] * len(slotted)
+        for k in range(max((len(t) for t in turns), default=0)):
+            batch = [(c, t[k]) for c, t in enumerate(turns) if k < len(t)]
+            answers = self._generate([slotted[c][:i] for c, i in batch])
+            for (c, i), (text, cut) in zip(batch, answers, strict=True):
+                slotted[c][i]["content"] = text
+                truncated[c] += cut
+        return [Regenerated(m, t) for m, t in zip(slotted, truncated, strict=True)]
+
+    def _generate(self, prompts: list[list[dict]]) -> list[tuple[str, bool]]:
+        import torch
+
+        texts = [
+            self.tokenizer.apply_chat_template(
+                p, tokenize=False, add_generation_prompt=True, **self.template_kwargs
+            )
+            for p in prompts
+        ]
+        enc = self.tokenizer(
+            texts, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False
+        ).to(self.model.device)
+        with torch.no_grad():
+            out = self.model.generate(**enc, generation_config=self.generation_config)
+        return [self._decode(row.tolist()) for row in out[:, enc["input_ids"].shape[1] :]]
+
+    def _decode(self, new_ids: list[int]) -> tuple[str, bool]:
+        """(text, cut at max_new_tokens); the stop token and the padding after it are special, not text."""
+        cut = not self.stop_ids.intersection(new_ids)
+        return self.tokenizer.decode(new_ids, skip_special_tokens=True), cut
+
+
+def _stop_ids(model, tokenizer) -> set[int]:
+    eos = model.generation_config.eos_token_id
+    ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    if not ids:
+        raise ValueError("the target defines no end-of-sequence token to stop generation at")
+    return ids
+
+
+# --------------------------------------------------------------------------------------------------- driver
+
+
+@dataclass
+class RegenerateSummary:
+    already_done: int  # records found in the output at start, skipped
+    regenerated: int
+    failed: int
+    truncated_turns: int
+    failed_path: Path
+
+
+def failed_path_for(out_path: str | Path) -> Path:
+    return Path(str(out_path) + ".failed.jsonl")
+
+
+def regenerate_file(
+    backend,
+    input_path: str,
+    out_path: str | Path,
+    split: str = "train",
+    limit: int | None = None,
+    progress: bool = True,
+) -> RegenerateSummary:
+    """Regenerate every record of `input_path` not yet in `out_path`, appending to it record by record.
+
+    `backend` is a ServerBackend or LocalBackend. Failures of this run (bad input records, duplicate ids,
+    server errors, empty answers) go to FILE.failed.jsonl, which is started afresh: failures of an earlier
+    run are retried. When a run completes, every input record is in exactly one of the two files.
+    `limit` stops after that many records (a trial run; the next run continues).
+    """
+    out, failed_path = Path(out_path), failed_path_for(out_path)
+    done = read_done_ids(out)
+    total = max(count_records(input_path, split) - len(done), 0)
+    if limit is not None:
+        total = min(total, limit)
+    summary = RegenerateSummary(len(done), 0, 0, 0, failed_path)
+    with (
+        open(out, "a", encoding="utf-8") as out_file,
+        open(failed_path, "w", encoding="utf-8") as failed_file,
+    ):
+        sink = _Sink(out_file, failed_file, summary)
+        with _progress_bar(total, progress) as advance:
+            todo = _records_to_do(input_path, split, done, sink, advance)
+            for conv, result in backend.regenerate_each(islice(todo, limit)):
+                sink.write(conv, result)
+                advance()
+    return summary
+
+
+class _Sink:
+    """Appends results and failures as JSON lines, each flushed, and counts them."""
+
+    def __init__(self, out_file, failed_file, summary: RegenerateSummary):
+        self.out_file, self.failed_file, self.summary = out_file, failed_file, summary
+
+    def write(self, conv: Conversation, result: Regenerated | ConversationError) -> None:
+        if isinstance(result, Regenerated) and _empty_answer(result):
+            result = ConversationError("empty_response", "the target answered a turn with nothing")
+        if isinstance(result, ConversationError):
+            self.fail(conv.id, conv.where, result)
+            return
+        record = {"id": conv.id, "messages": result.messages, "truncated_turns": result.truncated_turns}
+        _append(self.out_file, record)
+        self.summary.regenerated += 1
+        self.summary.truncated_turns += result.truncated_turns
+
+    def fail(self, record_id: str, where: str, error: ConversationError) -> None:
+        _append(
+            self.failed_file, {"id": record_id, "where": where, "reason": error.reason, "error": str(error)}
+        )
+        self.summary.failed += 1
+
+
+def _empty_answer(result: Regenerated) -> bool:
+    return any(m["role"] == "assistant" and not m["content"].strip() for m in result.messages)
+
+
+def _append(file, record: dict) -> None:
+    file.write(json.dumps(record, ensure_ascii=False) + "\n")
+    file.flush()
+
+
+def _records_to_do(
+    input_path: str, split: str, done: set[str], sink: _Sink, advance: Callable[[], None]
+) -> Iterator[Conversation]:
+    """Valid input conversations whose id is not in `done`; invalid or duplicate ones go to the failures."""
+    seen: set[str] = set()
+    for record in iter_raw_records(input_path, split):
+        try:
+            conv = parse_record(record, require_answers=False)
+        except ConversationError as e:
+            sink.fail(record.default_id, record.where, e)
+            advance()
+            continue
+        if conv.id in seen:
+            sink.fail(conv.id, record.where, ConversationError("duplicate_id", f"id {conv.id!r} seen before"))
+            advance()
+            continue
+        seen.add(conv.id)
+        if conv.id not in done:
+            yield conv
+
+
+def read_done_ids(path: Path) -> set[str]:
+    """Ids already in the output. A last line cut short by a kill is removed, so its record is redone."""
+    if not path.exists():
+        return set()
+    done, good_bytes = set(), 0
+    with open(path, "rb") as f:
+        for n, line in enumerate(f, 1):
+            if not line.endswith(b"\n"):
+                break
+            try:
+                done.add(str(json.loads(line)["id"]))
+            except (ValueError, KeyError, TypeError) as e:
+                raise SourceError(f"{path}:{n}: not a record written by regenerate; fix or remove it") from e
+            good_bytes += len(line)
+    if good_bytes < path.stat().st_size:
+        os.truncate(path, good_bytes)
+    return done
+
+
+@contextmanager
+def _progress_bar(total: int, enabled: bool) -> Iterator[Callable[[], None]]:
+    """A rich progress bar on stderr with records/s and ETA; yields `advance()`, which counts one record."""
+    bar = Progress(
+        "regenerate",
+        BarColumn(),
+        MofNCompleteColumn(),
+        _RateColumn(),
+        "ETA",
+        TimeRemainingColumn(),
+        console=Console(stderr=True),
+        disable=not enabled,
+    )
+    task = bar.add_task("regenerate", total=total)
+    with bar:
+        yield lambda: bar.advance(task)
+
+
+class _RateColumn(ProgressColumn):
+    def render(self, task) -> Text:
+        return Text(f"{task.speed or 0:.2f} rec/s")

@@ -1,0 +1,31 @@
+"""Compiled training: warm-up, persistent cache, and a recompile after warm-up is an error."""
+
+import pytest
+import torch
+
+from flashdraft.config import resolve_config
+from flashdraft.data.packing import collate_rows, save_token_dataset
+from flashdraft.train.compile import RecompileError
+from flashdraft.train.trainer import build_trainer
+from helpers import random_docs
+
+pytestmark = pytest.mark.slow
+
+
+def test_a_recompile_after_warm_up_stops_the_run_with_a_clear_message(tmp_path, tiny_target_dir):
+    save_token_dataset(random_docs([70, 90, 120, 60] * 2, seed=1, prompt_len=10), tmp_path / "data")
+    over = {"data.seq_len": 128, "data.rows_per_batch": 2, "num_anchors": 8, "max_steps": 4, "compile": True}
+    over.update({"drafter.num_layers": 1, "drafter.num_taps": 2})
+    cfg = resolve_config("default", **over)
+    trainer = build_trainer(cfg, tiny_target_dir, tmp_path / "data", tmp_path / "run", device="cpu")
+    try:
+        trainer.train_step_guarded()  # warm-up: compiles the drafter layers
+        assert trainer.compile_report is not None and trainer.compile_report.seconds > 0
+        trainer.train_step_guarded()  # same shapes: no recompile
+        docs = random_docs([150, 100], seed=2, prompt_len=10)
+        odd = collate_rows([[d] for d in docs], 160, pad_token_id=0)  # a row length the warm-up never saw
+        trainer.stream = {trainer.step: odd, trainer.step + 1: odd}  # micro-batch m = step - 1
+        with pytest.raises(RecompileError, match="recompile after warm-up"):
+            trainer.train_step_guarded()
+    finally:
+        torch.compiler.set_stance("default")

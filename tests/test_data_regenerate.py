@@ -1,0 +1,341 @@
+"""`flashdraft data regenerate`: turn by turn, resumable after a kill, failures recorded, both backends."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from typer.testing import CliRunner
+
+from flashdraft.cli.data import data_app
+from flashdraft.data.formats import RawRecord, parse_record
+from flashdraft.data.regenerate import (
+    LocalBackend,
+    Regenerated,
+    ServerBackend,
+    chat_completions_url,
+    failed_path_for,
+    regenerate_file,
+)
+
+
+class FakeChatServer(ThreadingHTTPServer):
+    """An OpenAI-compatible endpoint whose answer to a prompt is predictable: `ans{k}:{last user text}`.
+
+    k counts the assistant turns already in the prompt, and an earlier assistant turn not written by this
+    server is refused (400), so a record comes out right only if each turn saw the regenerated ones.
+    Every `fail_every`-th request gets a 503 to exercise retries; `delay` slows each answer down.
+    """
+
+    def __init__(self, fail_every: int = 0, delay: float = 0.0, reasoning: bool = False):
+        super().__init__(("127.0.0.1", 0), _Handler)
+        self.fail_every, self.delay, self.reasoning = fail_every, delay, reasoning
+        self.lock = threading.Lock()
+        self.requests: list[dict] = []
+        self.failures = 0
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server_address[1]}"
+
+    def answer(self, body: dict) -> tuple[int, dict]:
+        with self.lock:
+            self.requests.append(body)
+            n = len(self.requests)
+        if self.fail_every and n % self.fail_every == 0:
+            with self.lock:
+                self.failures += 1
+            return 503, {"error": "busy"}
+        messages = body["messages"]
+        earlier = [m["content"] for m in messages if m["role"] == "assistant"]
+        if any(not c.startswith(("ans", "<think>")) for c in earlier):
+            return 400, {"error": f"prompt holds an answer not regenerated: {earlier}"}
+        time.sleep(self.delay)
+        content = f"ans{len(earlier)}:{messages[-1]['content']}"
+        message = {"role": "assistant", "content": content}
+        if self.reasoning:
+            message["reasoning_content"] = "thinking"
+        return 200, {"choices": [{"message": message, "finish_reason": "stop"}]}
+
+
+class _Handler(BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.reply(*((200, {"data": [{"id": "target"}]}) if self.path == "/v1/models" else (404, {})))
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        self.reply(*(self.server.answer(body) if self.path == "/v1/chat/completions" else (404, {})))
+
+    def reply(self, status: int, reply: dict) -> None:
+        payload = json.dumps(reply).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(payload)))
+        self.end_headers()
+        self.wfile.write(payload)
+
+    def log_message(self, *args):
+        pass
+
+
+def start(server: FakeChatServer) -> FakeChatServer:
+    threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.01}, daemon=True).start()
+    return server
+
+
+@pytest.fixture
+def fake_server():
+    servers = []
+
+    def make(**kwargs) -> FakeChatServer:
+        servers.append(start(FakeChatServer(**kwargs)))
+        return servers[-1]
+
+    yield make
+    for server in servers:
+        server.shutdown()
+        server.server_close()
+
+
+def conversation(i: int, turns: int) -> dict:
+    messages = []
+    for t in range(turns):
+        messages += [
+            {"role": "user", "content": f"q{i}.{t}"},
+            {"role": "assistant", "content": f"orig{i}.{t}"},
+        ]
+    return {"id": f"r{i}", "messages": messages}
+
+
+def expected(i: int, turns: int) -> list[dict]:
+    messages = []
+    for t in range(turns):
+        messages += [
+            {"role": "user", "content": f"q{i}.{t}"},
+            {"role": "assistant", "content": f"ans{t}:q{i}.{t}"},
+        ]
+    return messages
+
+
+def write_input(path, n: int) -> dict[str, list[dict]]:
+    """n records of 1-3 turns; returns the expected regenerated messages by id."""
+    path.write_text("\n".join(json.dumps(conversation(i, i % 3 + 1)) for i in range(n)) + "\n")
+    return {f"r{i}": expected(i, i % 3 + 1) for i in range(n)}
+
+
+def read_jsonl(path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def backend(server: FakeChatServer, **kwargs) -> ServerBackend:
+    options = {"max_tokens": 16, "concurrency": 4, "retries": 4, "backoff": 0.001, **kwargs}
+    return ServerBackend(server.url, "target", **options)
+
+
+def assert_complete(out, want: dict[str, list[dict]]) -> None:
+    """Every record exactly once, with the answers the server gives when each turn sees the earlier ones."""
+    rows = read_jsonl(out)
+    assert sorted(r["id"] for r in rows) == sorted(want)
+    assert {r["id"]: r["messages"] for r in rows} == want
+
+
+def test_server_backend_regenerates_turn_by_turn_through_retries(fake_server, tmp_path):
+    server = fake_server(fail_every=4)
+    want = write_input(tmp_path / "in.jsonl", 12)
+    summary = regenerate_file(
+        backend(server), str(tmp_path / "in.jsonl"), tmp_path / "out.jsonl", progress=False
+    )
+    assert_complete(tmp_path / "out.jsonl", want)
+    assert server.failures > 0 and summary.failed == 0 and summary.regenerated == 12
+    assert read_jsonl(failed_path_for(tmp_path / "out.jsonl")) == []
+    assert {r["model"] for r in server.requests} == {"target"} and server.requests[0]["max_tokens"] == 16
+
+
+def test_thinking_mode_and_separate_reasoning(fake_server, tmp_path):
+    server = fake_server(reasoning=True)
+    write_input(tmp_path / "in.jsonl", 1)
+    regenerate_file(
+        backend(server, enable_thinking=False), str(tmp_path / "in.jsonl"), tmp_path / "o", progress=False
+    )
+    assert server.requests[0]["chat_template_kwargs"] == {"enable_thinking": False}
+    (row,) = read_jsonl(tmp_path / "o")
+    assert row["messages"][1]["content"] == "<think>\nthinking\n</think>\n\nans0:q0.0"
+
+
+def test_a_prompt_without_answer_gets_one_appended(fake_server, tmp_path):
+    server = fake_server()
+    (tmp_path / "in.jsonl").write_text(
+        json.dumps({"id": "p", "messages": [{"role": "user", "content": "hi"}]}) + "\n"
+    )
+    regenerate_file(backend(server), str(tmp_path / "in.jsonl"), tmp_path / "o", progress=False)
+    assert read_jsonl(tmp_path / "o")[0]["messages"][-1] == {"role": "assistant", "content": "ans0:hi"}
+
+
+def test_failures_are_recorded_with_their_reason_and_retried_by_the_next_run(fake_server, tmp_path):
+    want = write_input(tmp_path / "in.jsonl", 6)
+    with (tmp_path / "in.jsonl").open("a") as f:
+        f.write('{"broken\n' + json.dumps(conversation(0, 1)) + "\n")  # a malformed line, then a duplicate id
+    out, failed = tmp_path / "out.jsonl", failed_path_for(tmp_path / "out.jsonl")
+    down = fake_server(fail_every=1)  # every request fails: every record ends in the failures
+    summary = regenerate_file(backend(down, retries=2), str(tmp_path / "in.jsonl"), out, progress=False)
+    assert summary.failed == 8 and read_jsonl(out) == []
+    reasons = {(r["id"], r["reason"]) for r in read_jsonl(failed)}
+    assert reasons == {
+        *((i, "server_error") for i in want),
+        ("in.jsonl:7", "malformed_json"),
+        ("r0", "duplicate_id"),
+    }
+    assert all("HTTP 503" in r["error"] for r in read_jsonl(failed) if r["reason"] == "server_error")
+    assert len(down.requests) == 6 * 3  # one try and two retries each
+
+    summary = regenerate_file(backend(fake_server()), str(tmp_path / "in.jsonl"), out, progress=False)
+    assert_complete(out, want)
+    assert summary.failed == 2 and {r["reason"] for r in read_jsonl(failed)} == {
+        "malformed_json",
+        "duplicate_id",
+    }
+
+
+def test_a_request_the_server_refuses_is_not_retried(fake_server, tmp_path):
+    server = fake_server()
+    write_input(tmp_path / "in.jsonl", 1)
+    server.answer = lambda body: (400, {"error": "context too long"})
+    regenerate_file(backend(server), str(tmp_path / "in.jsonl"), tmp_path / "o", progress=False)
+    (failure,) = read_jsonl(failed_path_for(tmp_path / "o"))
+    assert (
+        failure["reason"] == "server_error"
+        and "HTTP 400" in failure["error"]
+        and "context too long" in failure["error"]
+    )
+
+
+def test_a_line_cut_by_a_kill_is_dropped_and_its_record_redone(fake_server, tmp_path):
+    want = write_input(tmp_path / "in.jsonl", 4)
+    out = tmp_path / "out.jsonl"
+    rows = [{"id": "r0", "messages": want["r0"], "truncated_turns": 0}, {"id": "r1", "messages": want["r1"]}]
+    out.write_text(json.dumps(rows[0]) + "\n" + json.dumps(rows[1])[:25])
+    summary = regenerate_file(backend(fake_server()), str(tmp_path / "in.jsonl"), out, progress=False)
+    assert summary.already_done == 1 and summary.regenerated == 3
+    assert_complete(out, want)
+
+
+def test_limit_stops_early_and_the_next_run_continues(fake_server, tmp_path):
+    want = write_input(tmp_path / "in.jsonl", 10)
+    server, out = fake_server(), tmp_path / "out.jsonl"
+    first = regenerate_file(backend(server), str(tmp_path / "in.jsonl"), out, limit=4, progress=False)
+    assert first.regenerated == 4 and len(read_jsonl(out)) == 4
+    second = regenerate_file(backend(server), str(tmp_path / "in.jsonl"), out, progress=False)
+    assert second.already_done == 4 and second.regenerated == 6
+    assert_complete(out, want)
+
+
+def test_killed_cli_run_resumes_without_gaps_or_duplicates(fake_server, tmp_path):
+    server = fake_server(fail_every=5, delay=0.05)
+    # 30 records fit in one 8 KiB write buffer: only a flush per record puts lines in the file before the end.
+    want = write_input(tmp_path / "in.jsonl", 30)
+    out = tmp_path / "out.jsonl"
+    cmd = [sys.executable, "-m", "flashdraft.cli.data", "regenerate", "--target", "target", "--server"]
+    cmd += [server.url, "--input", str(tmp_path / "in.jsonl"), "--out", str(out), "--concurrency", "3"]
+    cmd += ["--backoff", "0.001", "--no-progress"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 60
+    while len(read_jsonl_lines(out)) < 5 and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL, proc.stderr.read().decode()
+    assert 5 <= len(read_jsonl_lines(out)) < 30
+
+    resumed = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert resumed.returncode == 0, resumed.stderr
+    assert_complete(out, want)
+
+
+def read_jsonl_lines(path) -> list[bytes]:
+    return path.read_bytes().splitlines() if path.exists() else []
+
+
+def test_an_unreachable_server_is_one_clear_error_before_any_record(tmp_path):
+    write_input(tmp_path / "in.jsonl", 2)
+    closed = FakeChatServer()
+    closed.server_close()  # the port is free again: nothing listens there
+    args = ["regenerate", "--target", "t", "--server", closed.url, "--input", str(tmp_path / "in.jsonl")]
+    result = CliRunner().invoke(data_app, [*args, "--out", str(tmp_path / "out.jsonl"), "--no-progress"])
+    assert result.exit_code == 2 and "cannot reach the server" in result.stderr
+    assert read_jsonl(tmp_path / "out.jsonl") == []
+
+
+def test_server_url_forms():
+    want = "http://h:1/v1/chat/completions"
+    assert chat_completions_url("http://h:1") == chat_completions_url("http://h:1/v1/") == want
+    assert chat_completions_url(want) == want
+
+
+# ------------------------------------------------------------------------------------------- local backend
+
+
+@pytest.fixture(scope="module")
+def tiny_target(tiny_target_dir):
+    return AutoModelForCausalLM.from_pretrained(tiny_target_dir), AutoTokenizer.from_pretrained(
+        tiny_target_dir
+    )
+
+
+def greedy(model, tokenizer, messages: list[dict], max_new_tokens: int) -> tuple[str, bool]:
+    """One unpadded greedy generation: (text, cut at max_new_tokens)."""
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    ids = tokenizer(text, return_tensors="pt", add_special_tokens=False)["input_ids"]
+    with torch.no_grad():
+        out = model.generate(
+            ids, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=tokenizer.eos_token_id
+        )
+    new = out[0, ids.shape[1] :].tolist()
+    cut = tokenizer.eos_token_id not in new
+    return tokenizer.decode(
+        new if cut else new[: new.index(tokenizer.eos_token_id)], skip_special_tokens=True
+    ), cut
+
+
+def reference(model, tokenizer, messages: list[dict], max_new_tokens: int) -> Regenerated:
+    """Each user turn answered alone, unbatched, after the answers already regenerated."""
+    chained, cuts = [], 0
+    for user in (m for m in messages if m["role"] == "user"):
+        text, cut = greedy(model, tokenizer, [*chained, user], max_new_tokens)
+        chained += [user, {"role": "assistant", "content": text}]
+        cuts += cut
+    return Regenerated(chained, cuts)
+
+
+def test_local_backend_batches_left_padded_greedy_turn_by_turn(tiny_target):
+    model, tokenizer = tiny_target
+    prompt_only = {
+        "id": "p",
+        "messages": [{"role": "user", "content": "a much longer question than the others"}],
+    }
+    records = [conversation(0, 2), prompt_only, conversation(2, 1)]
+    conversations = [
+        parse_record(RawRecord("in", 1, json.dumps(r).encode()), require_answers=False) for r in records
+    ]
+    backend = LocalBackend(model, tokenizer, max_new_tokens=4, batch_size=2)
+    results = {conv.id: result for conv, result in backend.regenerate_each(conversations)}
+    assert results == {r["id"]: reference(model, tokenizer, r["messages"], 4) for r in records}
+    assert backend.regenerate([prompt_only["messages"]]) == [results["p"].messages]
+
+
+def test_cli_local_backend_regenerates_a_file(tiny_target_dir, tmp_path):
+    write_input(tmp_path / "in.jsonl", 3)
+    args = ["regenerate", "--target", str(tiny_target_dir), "--input", str(tmp_path / "in.jsonl")]
+    args += ["--out", str(tmp_path / "out.jsonl"), "--max-tokens", "4", "--batch-size", "2", "--no-progress"]
+    result = CliRunner().invoke(data_app, args)
+    rows = read_jsonl(tmp_path / "out.jsonl")
+    failures = read_jsonl(failed_path_for(tmp_path / "out.jsonl"))
+    assert sorted(r["id"] for r in rows + failures) == ["r0", "r1", "r2"]
+    assert result.exit_code == (1 if failures else 0), result.output
+    assert all(r["truncated_turns"] >= 0 and r["messages"][0]["content"].startswith("q") for r in rows)
