@@ -112,20 +112,23 @@ def _layer_matmul_params(c: Qwen3Config, intermediate: int | None = None) -> int
     return attn + 3 * d * (intermediate or c.intermediate_size)
 
 
-def step_flops(target_cfg: Qwen3Config, drafter_cfg, kept_layers: int, seq_len: int, positions: int) -> dict:
+def step_flops(
+    target_cfg: Qwen3Config, drafter_cfg, kept_layers: int, seq_len: int, positions: int, head_positions: int
+) -> dict:
     """Model FLOPs of one row (docs/perf.md): target forward to the last tapped layer, drafter
     forward + backward over `positions` query positions, lm_head forward + input gradient, and the
-    per-context-token fc and context K/V (forward + backward)."""
+    per-context-token fc and context K/V (forward + backward). `head_positions`: query positions
+    that go through the lm_head (slot 0 of each block does not)."""
     c, dc = target_cfg, drafter_cfg
     qd = c.num_attention_heads * c.head_dim
     target = seq_len * kept_layers * (2 * _layer_matmul_params(c) + 4 * (seq_len / 2) * qd)
     per_pos = 6 * _layer_matmul_params(dc) * dc.num_hidden_layers
-    per_pos += 4 * c.hidden_size * c.vocab_size
     per_pos += 3 * 4 * qd * (seq_len / 2) * dc.num_hidden_layers
+    head = head_positions * 4 * c.hidden_size * c.vocab_size
     n_taps = len(dc.target_layer_ids)
     kv = 2 * c.hidden_size * dc.num_key_value_heads * dc.head_dim
     per_ctx = 6 * (n_taps * c.hidden_size * c.hidden_size + dc.num_hidden_layers * kv)
-    drafter = positions * per_pos + seq_len * per_ctx
+    drafter = positions * per_pos + head + seq_len * per_ctx
     return {"target": target, "drafter": drafter, "total": target + drafter}
 
 
@@ -148,6 +151,8 @@ class BenchResult:
     startup_s: float
     first_step_s: float
     phases_ms: dict
+    first_step_phases_ms: dict
+    compile_report: str
     steps: int
 
 
@@ -161,6 +166,8 @@ def run_bench(
     warmup: int = 3,
     drafter_layers: int = 5,
     device: str | None = None,
+    recompute_logits: bool = True,
+    compile: bool | None = None,
 ) -> BenchResult:
     t_start = time.perf_counter()
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -176,6 +183,8 @@ def run_bench(
             "drafter.num_layers": drafter_layers,
             "drafter.num_taps": min(5, tcfg.num_hidden_layers - 3),
             "max_steps": warmup + steps,
+            "recompute_logits": recompute_logits,
+            "compile": compile,
         },
     )
     mask_id = QWEN3_MASK_ID if tcfg.vocab_size == QWEN3_VOCAB else tcfg.vocab_size - 1
@@ -192,28 +201,25 @@ def run_bench(
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     startup = time.perf_counter() - t_start
+    first_timer = PhaseTimer(enabled=True, device=dev)
     t0 = time.perf_counter()
-    trainer.train_step()
-    _sync(dev)
-    first_step = time.perf_counter() - t0
-    for _ in range(warmup - 1):
-        trainer.train_step()
-    _sync(dev)
-
-    times, positions, phases = [], [], []
-    timer = PhaseTimer(enabled=True, device=dev)
-    for _ in range(steps):
-        timer.reset()
-        t0 = time.perf_counter()
-        stats = trainer.train_step(timer)
+    try:
+        trainer.train_step_guarded(first_timer)  # the warm-up: compiles, then recompiles are errors
         _sync(dev)
-        times.append(time.perf_counter() - t0)
-        positions.append(int(stats.draft_positions))
-        phases.append(timer.milliseconds())
+        first_step = time.perf_counter() - t0
+        first_phases = first_timer.milliseconds()
+        for _ in range(warmup - 1):
+            trainer.train_step_guarded()
+        _sync(dev)
+        times, positions, phases = _measure(trainer, steps, dev)
+    finally:
+        torch.compiler.set_stance("default")
+
     step_s = statistics.median(times)
     pos_per_row = statistics.median(positions) / rows_per_batch
     # model FLOPs count every query position computed (n*B per row), as the kernels do
-    flops = step_flops(tcfg, dcfg, kept, seq_len, anchors * block_size)["total"] * rows_per_batch
+    flops = step_flops(tcfg, dcfg, kept, seq_len, anchors * block_size, anchors * (block_size - 1))
+    flops = flops["total"] * rows_per_batch
     tflops = flops / step_s / 1e12
     return BenchResult(
         shape=shape,
@@ -233,5 +239,21 @@ def run_bench(
         startup_s=startup,
         first_step_s=first_step,
         phases_ms={k: statistics.median(p.get(k, 0.0) for p in phases) for k in phases[0]},
+        first_step_phases_ms=first_phases,
+        compile_report=trainer.compile_report.line() if trainer.compile_report else "not compiled",
         steps=steps,
     )
+
+
+def _measure(trainer: Trainer, steps: int, dev: torch.device):
+    times, positions, phases = [], [], []
+    timer = PhaseTimer(enabled=True, device=dev)
+    for _ in range(steps):
+        timer.reset()
+        t0 = time.perf_counter()
+        stats = trainer.train_step_guarded(timer)
+        _sync(dev)
+        times.append(time.perf_counter() - t0)
+        positions.append(int(stats.draft_positions))
+        phases.append(timer.milliseconds())
+    return times, positions, phases

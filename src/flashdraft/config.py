@@ -54,6 +54,7 @@ class TrainConfig(_Strict):
     grad_accum: int = Field(1, ge=1)
     log_every: int = Field(10, ge=1)
     save_every: int | None = Field(None, ge=1)
+    recompute_logits: bool = Field(True, description="recompute lm_head logits in the backward (less memory)")
     keep_last: int | None = Field(None, ge=1, description="keep only the newest K checkpoints")
     seed: int = 0
     compile: bool | None = Field(None, description="torch.compile flex_attention; default: on GPU")

@@ -38,6 +38,9 @@ def train(
     ),
     s3: str | None = typer.Option(None, help="mirror checkpoints and logs to s3://bucket/prefix"),
     keep_last: int | None = typer.Option(None, help="keep only the newest K checkpoints"),
+    backend: str = typer.Option(
+        "auto", help="process-group backend: auto (NCCL on GPU, gloo on CPU) or gloo"
+    ),
 ) -> None:
     """Online training: the frozen target computes features each step, the drafter learns from them.
 
@@ -65,7 +68,7 @@ def train(
         over = {"max_steps": max_steps, "save_every": save_every, "seed": seed, "keep_last": keep_last}
         cfg = resolve_config(preset, config, **over)
         trainer = build_trainer(
-            cfg, target, str(data), str(out), device, layout, resume=resume is not None, s3_url=s3
+            cfg, target, str(data), str(out), device, layout, resume is not None, s3, backend
         )
     except (ValueError, FileNotFoundError) as e:
         _fail(str(e))
@@ -127,6 +130,8 @@ def bench(
     steps: int = typer.Option(10, help="measured steps (median reported)"),
     warmup: int = typer.Option(3, help="warm-up steps (the first compiles)"),
     device: str | None = typer.Option(None, help="cpu or cuda (default: cuda when visible)"),
+    recompute_logits: bool = typer.Option(True, help="recompute lm_head logits in the backward"),
+    compile: bool | None = typer.Option(None, help="torch.compile flex + drafter layers (default: on GPU)"),
     json_out: Path | None = typer.Option(None, "--json", help="write the result as JSON here"),
 ) -> None:
     """Training throughput on random weights of a named target shape: tok/s, MFU, memory, phases."""
@@ -156,6 +161,7 @@ def bench(
         ("MFU", f"{100 * r.mfu:.1f}%"),
         ("peak memory", f"{r.peak_mem_gib:.1f} GiB"),
         ("start-up / first step", f"{r.startup_s:.1f} s / {r.first_step_s:.1f} s"),
+        ("compile", r.compile_report),
     ] + [(f"  {k}", f"{v:.1f} ms") for k, v in r.phases_ms.items()]
     for k, v in rows:
         table.add_row(k, v)

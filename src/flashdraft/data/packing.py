@@ -73,6 +73,11 @@ class PackedBatch:
     def num_tokens(self) -> int:
         return int((self.doc_ids >= 0).sum())
 
+    @property
+    def plain_causal(self) -> bool:
+        """Every row holds one document and no padding: plain causal attention is exact."""
+        return bool((self.doc_ids == 0).all())
+
 
 def collate_rows(docs_per_row: Sequence[Sequence[dict]], seq_len: int, pad_token_id: int) -> PackedBatch:
     b = len(docs_per_row)

@@ -79,8 +79,9 @@ def serve_features(
     clock = BusyClock()
     for m in range(first, total_micro, targets):
         t0 = time.perf_counter()
-        batch = stream[m].to(topo.device)
-        feats = features_fn(batch).to(shape.dtype).contiguous()
+        cpu = stream[m]
+        batch = cpu.to(topo.device)
+        feats = features_fn(batch, cpu.plain_causal).to(shape.dtype).contiguous()
         if topo.device.type == "cuda":
             torch.cuda.current_stream().synchronize()
         clock.add(time.perf_counter() - t0)

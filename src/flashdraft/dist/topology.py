@@ -101,6 +101,8 @@ class Topology:
 def pin_local_gpu() -> None:
     """Make this process see only its own GPU (as cuda:0) before CUDA is initialised."""
     local = os.environ.get("LOCAL_RANK")
+    if local is not None and os.environ.get("FLASHDRAFT_SHARE_GPU") == "1":
+        return  # every rank on the one visible GPU (testing layouts on a one-GPU machine)
     if local is not None and "FLASHDRAFT_KEEP_VISIBLE_DEVICES" not in os.environ:
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
         devices = visible.split(",") if visible else None
@@ -108,8 +110,12 @@ def pin_local_gpu() -> None:
         os.environ["FLASHDRAFT_KEEP_VISIBLE_DEVICES"] = "1"
 
 
-def init_topology(layout: str = "colocated", device: str | None = None) -> Topology:
-    """Read the torchrun environment (or none: a single process) and build the process groups."""
+def init_topology(layout: str = "colocated", device: str | None = None, backend: str = "auto") -> Topology:
+    """Read the torchrun environment (or none: a single process) and build the process groups.
+
+    backend: auto (NCCL on GPU, gloo on CPU), or gloo to put several ranks on one GPU (NCCL
+    refuses two ranks on one device), which is how the layouts are exercised on a one-GPU machine.
+    """
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local = int(os.environ.get("LOCAL_RANK", "0"))

@@ -31,23 +31,27 @@ def block_loss(
     labels: torch.Tensor,
     weights: torch.Tensor,
     chunk_rows: int = 8192,
+    recompute: bool = True,
 ) -> BlockLoss:
-    """hidden [b, n*B, D] -> weighted CE over slots with weight > 0.
+    """hidden [b, n*B, D] -> weighted CE over slots 1..B-1 (slot 0, the anchor, has no loss and
+    no logits are computed for it).
 
     labels, weights: [b, n, B]; weights already include slot decay, loss mask and block validity.
+    recompute: keep no logits for the backward (recompute each chunk's): less memory, one more
+    lm_head matmul.
     """
     b, n, bs = labels.shape
-    h = hidden.reshape(b * n * bs, -1)
-    y = labels.reshape(-1)
-    w = weights.reshape(-1)
+    h = hidden.view(b, n, bs, -1)[:, :, 1:].reshape(b * n * (bs - 1), -1)
+    y = labels[:, :, 1:].reshape(-1)
+    w = weights[:, :, 1:].reshape(-1)
     total = hidden.new_zeros((), dtype=torch.float32)
     correct = torch.zeros(bs, device=hidden.device)
-    slot = torch.arange(bs, device=hidden.device).repeat(b * n)
+    slot = torch.arange(1, bs, device=hidden.device).repeat(b * n)
     counted = torch.zeros(bs, device=hidden.device).index_add_(0, slot, (w > 0).float())
     for start in range(0, h.shape[0], chunk_rows):
         sl = slice(start, start + chunk_rows)
         hc, yc, wc = h[sl], y[sl], w[sl]
-        if torch.is_grad_enabled() and hc.requires_grad:
+        if recompute and torch.is_grad_enabled() and hc.requires_grad:
             ce, pred = checkpoint(_chunk_ce, hc, lm_head_weight, yc, use_reentrant=False)
         else:
             ce, pred = _chunk_ce(hc, lm_head_weight, yc)

@@ -52,8 +52,11 @@ def visibility_for(mb: MicroBatch, block_size: int, attention: str, compiled: bo
     return Visibility(dense_visibility(mb.anchors, mb.batch.doc_ids, block_size))
 
 
-def target_features(target: Target, batch: PackedBatch) -> torch.Tensor:
-    return target.features(batch.input_ids, batch.position_ids, packed_causal_mask(batch.doc_ids))
+def target_features(target: Target, batch: PackedBatch, plain_causal: bool = False) -> torch.Tensor:
+    """plain_causal: every row is one document with no padding (checked on the host by the caller),
+    so the target can run its causal kernel (flash) instead of an explicit document mask."""
+    mask = None if plain_causal else packed_causal_mask(batch.doc_ids)
+    return target.features(batch.input_ids, batch.position_ids, mask)
 
 
 def micro_step_loss(
@@ -63,6 +66,7 @@ def micro_step_loss(
     attention: str = "flex",
     compiled: bool = False,
     timer: PhaseTimer = NULL_TIMER,
+    recompute_logits: bool = True,
 ) -> BlockLoss:
     """Forward of one micro-batch; the caller normalises `weighted_ce` by the step's weight sum.
 
@@ -79,4 +83,6 @@ def micro_step_loss(
     with timer("drafter_forward"):
         hidden = drafter(block_embeds, mb.blocks.positions, None, vis, feats, mb.batch.position_ids)
     with timer("loss_forward"):
-        return block_loss(hidden, target.lm_head.weight, mb.blocks.labels, mb.blocks.weights)
+        return block_loss(
+            hidden, target.lm_head.weight, mb.blocks.labels, mb.blocks.weights, recompute=recompute_logits
+        )

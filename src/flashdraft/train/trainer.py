@@ -186,13 +186,14 @@ def build_trainer(
     layout: str = "colocated",
     resume: bool = False,
     s3_url: str | None = None,
+    backend: str = "auto",
 ) -> Trainer:
     """Read the world, load the target and the token dataset, build the drafter: a Trainer ready to run.
 
     With `s3_url`, checkpoints and logs are mirrored there; resuming with an empty `out_dir` first
     restores the run's newest complete checkpoint from it (a fresh machine).
     """
-    topo = init_topology(layout, device)
+    topo = init_topology(layout, device, backend)
     if resume and s3_url and topo.is_main and latest_checkpoint(Path(out_dir) / "checkpoints") is None:
         from flashdraft.run.s3 import restore_run
 
@@ -317,7 +318,7 @@ class Trainer:
                 ctx_tokens = cpu.num_tokens
                 batch = cpu.to(self.device)
             with timer("target_forward"):
-                feats = target_features(self.target, batch)
+                feats = target_features(self.target, batch, cpu.plain_causal)
         mb = plan_micro_batch(
             batch,
             self.cfg.num_anchors,
@@ -356,7 +357,15 @@ class Trainer:
             sync = self.model.no_sync() if ddp and not last else contextlib.nullcontext()
             with sync:
                 with self._autocast():
-                    out = micro_step_loss(self.model, self.target, mb, self.attention, self.compiled, timer)
+                    out = micro_step_loss(
+                        self.model,
+                        self.target,
+                        mb,
+                        self.attention,
+                        self.compiled,
+                        timer,
+                        cfg.recompute_logits,
+                    )
                 with timer("backward"):
                     (out.weighted_ce * scale / weight_sum).backward()
             stats.add(out, mb)
@@ -378,8 +387,7 @@ class Trainer:
             self.compile_report = warm_up(
                 lambda: out.append(self.train_step(timer)), self.cache_dir, self.artifacts_loaded
             )
-            if self.topo.is_main:
-                print(self.compile_report.line(), flush=True)
+            print(f"[rank {self.topo.rank}] {self.compile_report.line()}", flush=True)
             return out[0]
         with recompiles_are_errors():
             return self.train_step(timer)
@@ -393,7 +401,7 @@ class Trainer:
         """Target rank of a split layout: compute and send features for every step of the run."""
         per_step = self.cfg.grad_accum * self.topo.num_drafters
         start = self.step * per_step
-        feats = lambda batch: target_features(self.target, batch)  # noqa: E731
+        feats = lambda batch, plain: target_features(self.target, batch, plain)  # noqa: E731
         serve_features(
             self.topo, feats, self.stream, self.total_steps * per_step, self.message_shape(), start
         )
