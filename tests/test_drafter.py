@@ -43,10 +43,14 @@ def test_packed_target_features_equal_each_document_alone():
     torch.testing.assert_close(feats[:, 20:50], alone, atol=1e-5, rtol=1e-5)
 
 
-def test_flex_and_dense_paths_give_the_same_block_logits():
+@pytest.mark.parametrize(
+    "rows, seq_len, n",
+    [([[40, 50], [90]], 96, 10), ([[60, 60], [128]], 128, 16)],  # create_block_mask / structured mask
+)
+def test_flex_and_dense_paths_give_the_same_block_logits(rows, seq_len, n):
     target, drafter = target_and_drafter()
-    batch = packed_batch([[40, 50], [90]], seq_len=96)
-    mb = plan_micro_batch(batch, 10, BLOCK, MASK_ID, GAMMA, torch.Generator().manual_seed(0))
+    batch = packed_batch(rows, seq_len=seq_len)
+    mb = plan_micro_batch(batch, n, BLOCK, MASK_ID, GAMMA, torch.Generator().manual_seed(0))
     dense = _block_logits(target, drafter, batch, mb.anchors, "dense")
     flex = _block_logits(target, drafter, batch, mb.anchors, "flex")
     valid = mb.anchors.valid.repeat_interleave(BLOCK, dim=1)

@@ -16,6 +16,7 @@ from flashdraft.train.blocks import (
     make_blocks,
     sample_anchors,
     slot_weights,
+    structured_block_mask,
 )
 from helpers import BLOCK, GAMMA, MASK_ID, packed_batch
 
@@ -131,3 +132,27 @@ def test_weights_follow_the_loss_mask_at_the_label_position():
 def test_slot_weights():
     w = slot_weights(16, 7.0)
     assert w[0] == 0 and w[1] == 1.0 and w[15] == pytest.approx(math.exp(-2.0))
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_structured_block_mask_equals_create_block_mask(seed):
+    """The hand-built BlockMask has the same partial and full tiles as flex's own builder."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    torch.manual_seed(seed)
+    batch = packed_batch([[300, 150, 62], [512], [100, 200]], seq_len=512, seed=seed)
+    anchors = _anchors_near_the_end(batch, n=32)  # 32 x 8 = 256 query rows = 2 tiles
+    anchors.index[1] = torch.arange(260, 260 + 32 * 7, 7)  # one document: whole context tiles visible
+    anchors.valid[1] = True
+    mine = structured_block_mask(anchors, batch.doc_ids, batch.position_ids, BLOCK)
+    mod = flex_mask_mod(anchors, batch.doc_ids, BLOCK)
+    ref = create_block_mask(mod, 3, None, 32 * BLOCK, 512 + 32 * BLOCK, device="cpu")
+
+    def tiles(num, idx):
+        return [[set(idx[r, 0, q, : num[r, 0, q]].tolist()) for q in range(num.shape[2])] for r in range(3)]
+
+    assert tiles(mine.kv_num_blocks, mine.kv_indices) == tiles(ref.kv_num_blocks, ref.kv_indices)
+    assert tiles(mine.full_kv_num_blocks, mine.full_kv_indices) == tiles(
+        ref.full_kv_num_blocks, ref.full_kv_indices
+    )
+    assert any(any(row) for row in tiles(mine.full_kv_num_blocks, mine.full_kv_indices))  # full tiles exist

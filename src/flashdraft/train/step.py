@@ -48,7 +48,8 @@ def plan_micro_batch(
 
 def visibility_for(mb: MicroBatch, block_size: int, attention: str, compiled: bool) -> Visibility:
     if attention == "flex":
-        return Visibility(flex_block_mask(mb.anchors, mb.batch.doc_ids, block_size, compiled), compiled)
+        mask = flex_block_mask(mb.anchors, mb.batch.doc_ids, block_size, compiled, mb.batch.position_ids)
+        return Visibility(mask, compiled)
     return Visibility(dense_visibility(mb.anchors, mb.batch.doc_ids, block_size))
 
 
