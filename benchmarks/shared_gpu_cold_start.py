@@ -70,7 +70,8 @@ def main() -> None:
     }
     print(json.dumps(result, indent=2))
     if proc.returncode != 0:
-        print(proc.stderr[-4000:])
+        errors = [line for line in proc.stderr.splitlines() if "Error" in line or "error" in line]
+        print("\n".join(errors[:20]))
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))
     sys.exit(proc.returncode)

@@ -142,7 +142,8 @@ def test_structured_block_mask_equals_create_block_mask(seed):
     torch.manual_seed(seed)
     batch = packed_batch([[300, 150, 62], [512], [100, 200]], seq_len=512, seed=seed)
     anchors = _anchors_near_the_end(batch, n=32)  # 32 x 8 = 256 query rows = 2 tiles
-    anchors.index[1] = torch.arange(260, 260 + 32 * 7, 7)  # one document: whole context tiles visible
+    # one document: whole context tiles visible, and an anchor one short of a tile's end (127)
+    anchors.index[1] = torch.cat([torch.tensor([127]), torch.arange(260, 260 + 31 * 7, 7)])
     anchors.valid[1] = True
     mine = structured_block_mask(anchors, batch.doc_ids, batch.position_ids, BLOCK)
     mod = flex_mask_mod(anchors, batch.doc_ids, BLOCK)
