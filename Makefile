@@ -13,6 +13,8 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q $(TORCH_CPU)
 	$(PY) -m pip install -q -e ".[dev]"
+	# the reference DFlash package, for the cross-check test; --no-deps: it hard-pins older datasets/tqdm
+	$(PY) -m pip install -q --no-deps dflash==0.1.0
 	touch $@
 
 demo: $(VENV)/.installed

@@ -173,9 +173,12 @@ def bench(
 def _mount_subcommands() -> None:
     from flashdraft.cli.data import data_app
     from flashdraft.cli.doctor import doctor_cmd
+    from flashdraft.cli.eval import eval_cmd, export_cmd
 
     app.add_typer(data_app, name="data", help="Prepare and regenerate training data with the target.")
     app.command("doctor")(doctor_cmd)
+    app.command("eval")(eval_cmd)
+    app.command("export")(export_cmd)
 
 
 _mount_subcommands()

@@ -1,0 +1,93 @@
+"""`flashdraft eval` and `flashdraft export`: thin entry points over flashdraft.eval and flashdraft.export.
+
+The main app registers them with `app.command("eval")(eval_cmd)` and `app.command("export")(export_cmd)`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+import yaml
+
+
+def _fail(message: str, code: int = 2) -> None:
+    typer.echo(f"error: {message}", err=True)
+    raise typer.Exit(code)
+
+
+def eval_cmd(
+    target: str = typer.Option(..., help="target model: local HF directory or hub id"),
+    drafter: Path = typer.Option(..., help="drafter checkpoint directory (z-lab layout)"),
+    prompts: Path = typer.Option(..., help='JSONL of {"messages": [...]} or {"prompt": "..."} records'),
+    out: Path = typer.Option(
+        ..., help="report path, e.g. REPORT.json; the plot is written next to it (.png)"
+    ),
+    max_new_tokens: int = typer.Option(256, min=1, help="new tokens per prompt at most"),
+    temperature: float = typer.Option(0.0, min=0.0, help="0: greedy; > 0: lossless speculative sampling"),
+    block_size: int | None = typer.Option(
+        None, min=2, help="tokens per verify block (default: the drafter's)"
+    ),
+    thinking: bool = typer.Option(
+        False,
+        "--thinking/--no-thinking",
+        help="chat template's enable_thinking: the mode the drafter was trained in",
+    ),
+    max_prompts: int | None = typer.Option(None, min=1, help="use the first N prompts only"),
+    device: str | None = typer.Option(None, help="cpu or cuda (default: cuda when visible)"),
+    seed: int = typer.Option(0, help="sampling seed (T > 0)"),
+) -> None:
+    """Speculative decoding with target + drafter: tau, per-position acceptance, speedup vs plain decoding
+    and vs prompt lookup (n-gram), written as a JSON report with a plot."""
+    from flashdraft.eval.report import compare_methods, print_table, write_report
+    from flashdraft.eval.spec import read_prompts
+
+    try:
+        conversations = read_prompts(prompts, max_prompts)
+        report = compare_methods(
+            target,
+            drafter,
+            conversations,
+            max_new_tokens,
+            temperature,
+            block_size,
+            thinking,
+            device,
+            seed,
+            progress=lambda i, n: typer.echo(f"prompt {i}/{n}", err=True),
+        )
+    except (ValueError, FileNotFoundError, OSError) as e:
+        _fail(str(e))
+    report["settings"]["prompts"] = str(prompts)
+    json_path, png_path = write_report(report, out)
+    print_table(report)
+    typer.echo(f"report {json_path}, plot {png_path}")
+
+
+def _run_target(ckpt: Path) -> str | None:
+    """The target recorded in RUN/config.yaml for a checkpoint RUN/checkpoints/step_N, if any."""
+    config = ckpt.resolve().parent.parent / "config.yaml"
+    if not config.is_file():
+        return None
+    return (yaml.safe_load(config.read_text()) or {}).get("target")
+
+
+def export_cmd(
+    ckpt: Path = typer.Argument(
+        ..., help="drafter checkpoint directory (z-lab layout), e.g. RUN/checkpoints/step_N"
+    ),
+    fmt: str = typer.Option("zlab", "--format", help="zlab (SGLang, vLLM, dflash) or speculators (vLLM)"),
+    out: Path = typer.Option(..., help="output directory (created; must be empty if it exists)"),
+    target: str | None = typer.Option(
+        None, help="speculators only: the verifier's hub id or path (default: the run's config.yaml target)"
+    ),
+) -> None:
+    """Validate a checkpoint and write it in an engine's layout: config.json + model.safetensors, bf16."""
+    from flashdraft.export.formats import export_checkpoint
+
+    verifier = target or (_run_target(ckpt) if fmt == "speculators" else None)
+    try:
+        path = export_checkpoint(ckpt, fmt, out, verifier)
+    except (ValueError, FileNotFoundError, FileExistsError) as e:
+        _fail(str(e))
+    typer.echo(f"exported {fmt} checkpoint to {path}")

@@ -1,0 +1,1 @@
+"""Speculative decoding with a trained drafter: tau, acceptance, speed, and their report."""

@@ -1,0 +1,207 @@
+"""The evaluation report: tau and acceptance statistics, speed, a plot and a terminal table.
+
+Figures are computed as the reference `dflash` benchmark computes them, so they compare with
+published ones: tau is the mean acceptance length per sample, then over samples; a sample's time per
+output token (TPOT) is its decode time over the tokens decoded after the first (time to first token
+excluded), averaged over samples; speedup = TPOT of plain autoregressive decoding / TPOT of the method,
+all three measured by the same loop (`flashdraft.eval.spec.generate`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from flashdraft.eval.spec import (
+    METHODS,
+    Generation,
+    decoding_target,
+    encode_prompt,
+    mean_tau,
+    run_methods,
+    stop_token_ids,
+)
+
+TAU_DEFINITION = (
+    "acceptance length = tokens a verify cycle commits (accepted drafts + 1 bonus token, cut at a stop "
+    "token or the token budget), in [1, B]; tau = its mean per sample, then the mean over samples; "
+    "the block shrinks to the remaining budget near the end, as in the reference dflash package"
+)
+SPECULATIVE = ("dflash", "ngram")
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values) if values else math.nan
+
+
+def _json_number(x: float | None) -> float | None:
+    return None if x is None or not math.isfinite(x) else round(x, 6)
+
+
+def acceptance_by_position(gens: list[Generation], block_size: int) -> list[float | None]:
+    """Per draft slot k = 1..B-1: the fraction of cycles that drafted slot k in which it was accepted
+    (so that at least k drafts were); None where no cycle drafted slot k."""
+    cycles = [(v, a) for g in gens for v, a in zip(g.verify_sizes, g.accept_lengths, strict=True)]
+    rates = []
+    for k in range(1, block_size):
+        drafted = [a for v, a in cycles if v > k]
+        rates.append(_json_number(sum(a > k for a in drafted) / len(drafted)) if drafted else None)
+    return rates
+
+
+def method_summary(gens: list[Generation], block_size: int) -> dict:
+    """Acceptance and speed of one method over all samples."""
+    lengths = [a for g in gens for a in g.accept_lengths]
+    tpot = _mean([g.decode_s / (len(g.tokens) - 1) for g in gens if len(g.tokens) > 1])
+    return {
+        "tau": _json_number(mean_tau([g.tau for g in gens])),
+        "tau_per_sample": [_json_number(g.tau) for g in gens],
+        "cycles": len(lengths),
+        "accept_length_histogram": {str(k): lengths.count(k) for k in range(1, block_size + 1)},
+        "acceptance_by_position": acceptance_by_position(gens, block_size),
+        "output_tokens": sum(len(g.tokens) for g in gens),
+        "time_to_first_token_s": _json_number(_mean([g.ttft_s for g in gens])),
+        "time_per_output_token_s": _json_number(tpot),
+        "tokens_per_s": _json_number(1 / tpot if tpot > 0 else math.nan),
+    }
+
+
+def build_report(settings: dict, results: dict[str, list[Generation]], block_size: int) -> dict:
+    """REPORT.json: settings, the tau definition, per-method statistics (one key per method) and
+    speedups over plain decoding.
+
+    At T = 0 it also counts the prompts whose speculative output is token-for-token the autoregressive
+    one: all of them, unless the target's batched and one-token forwards round differently (bf16)."""
+    methods = {name: method_summary(gens, block_size) for name, gens in results.items()}
+    base = methods["autoregressive"]["time_per_output_token_s"]
+    report = {
+        "settings": settings,
+        "tau_definition": TAU_DEFINITION,
+        **methods,
+        "speedup": {
+            m: _json_number(base / methods[m]["time_per_output_token_s"])
+            if base and methods[m]["time_per_output_token_s"]
+            else None
+            for m in SPECULATIVE
+        },
+    }
+    if settings.get("temperature", 0.0) <= 0:
+        plain = [g.tokens for g in results["autoregressive"]]
+        report["identical_to_autoregressive"] = {
+            m: sum(g.tokens == p for g, p in zip(results[m], plain, strict=True)) for m in SPECULATIVE
+        } | {"of": len(plain)}
+    return report
+
+
+def write_plot(report: dict, path: Path) -> Path:
+    """Acceptance-length histogram and per-position acceptance of DFlash and n-gram, as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (hist_ax, pos_ax) = plt.subplots(1, 2, figsize=(11, 4))
+    width = 0.4
+    for i, m in enumerate(SPECULATIVE):
+        stats = report[m]
+        counts = stats["accept_length_histogram"]
+        total = max(1, sum(counts.values()))
+        xs = [int(k) + (i - 0.5) * width for k in counts]
+        hist_ax.bar(
+            xs, [c / total for c in counts.values()], width, label=f"{m} (tau {_fmt(stats['tau'], '.2f')})"
+        )
+        rates = stats["acceptance_by_position"]
+        pos_ax.plot(range(1, len(rates) + 1), [math.nan if r is None else r for r in rates], "o-", label=m)
+    hist_ax.set(xlabel="acceptance length (tokens per cycle)", ylabel="fraction of cycles")
+    pos_ax.set(xlabel="draft position k", ylabel="P(draft k accepted)", ylim=(0, 1.02))
+    hist_ax.legend()
+    pos_ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def write_report(report: dict, path: str | Path) -> tuple[Path, Path]:
+    """REPORT.json and the plot next to it (same name, .png)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=2) + "\n")
+    return path, write_plot(report, path.with_suffix(".png"))
+
+
+def _fmt(x: float | None, spec: str, scale: float = 1.0, unit: str = "") -> str:
+    return "-" if x is None else format(x * scale, spec) + unit
+
+
+def print_table(report: dict, console: Console | None = None) -> None:
+    """The report's headline numbers as a rich table."""
+    table = Table(title="speculative decoding vs plain autoregressive decoding")
+    for col in ("method", "tau", "tokens/s", "ms/token", "speedup", "output tokens"):
+        table.add_column(col, justify="left" if col == "method" else "right")
+    for name in METHODS:
+        stats = report[name]
+        table.add_row(
+            name,
+            _fmt(stats["tau"], ".2f") if name in SPECULATIVE else "1",
+            _fmt(stats["tokens_per_s"], ".1f"),
+            _fmt(stats["time_per_output_token_s"], ".2f", scale=1e3),
+            _fmt(report["speedup"].get(name, 1.0), ".2f", unit="x"),
+            str(stats["output_tokens"]),
+        )
+    console = console or Console()
+    console.print(table)
+    rates = report["dflash"]["acceptance_by_position"]
+    console.print("DFlash acceptance by draft position: " + " ".join(_fmt(r, ".2f") for r in rates))
+    same = report.get("identical_to_autoregressive")
+    if same:
+        console.print(
+            f"greedy outputs identical to autoregressive: dflash {same['dflash']}/{same['of']}, "
+            f"ngram {same['ngram']}/{same['of']}"
+        )
+
+
+def compare_methods(
+    target: str | Path,
+    drafter: str | Path,
+    conversations: list[list[dict]],
+    max_new_tokens: int = 256,
+    temperature: float = 0.0,
+    block_size: int | None = None,
+    thinking: bool = False,
+    device: str | None = None,
+    seed: int = 0,
+    progress=None,
+) -> dict:
+    """Load the target (HF directory or hub id) and the drafter checkpoint, decode every conversation with
+    plain decoding, DFlash and prompt lookup, and return the report (`build_report`)."""
+    import torch
+
+    from flashdraft.model.checkpoint import load_drafter
+    from flashdraft.model.target import load_target
+
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    model, tokenizer = load_target(target, device)
+    draft = load_drafter(drafter, device, dtype=model.dtype).eval()
+    spec_target = decoding_target(model, draft)
+    block = block_size or draft.block_size
+    ids = [encode_prompt(tokenizer, c, thinking) for c in conversations]
+    stops = stop_token_ids(model, tokenizer)
+    results = run_methods(spec_target, draft, ids, max_new_tokens, block, temperature, stops, seed, progress)
+    settings = {
+        "target": str(target),
+        "drafter": str(drafter),
+        "num_prompts": len(ids),
+        "max_new_tokens": max_new_tokens,
+        "temperature": temperature,
+        "block_size": block,
+        "thinking": thinking,
+        "device": str(device),
+        "dtype": str(model.dtype).removeprefix("torch."),
+        "seed": seed,
+    }
+    return build_report(settings, results, block)

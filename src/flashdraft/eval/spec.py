@@ -1,0 +1,378 @@
+"""Speculative decoding for evaluation: the drafter's real acceptance length (tau) against the target.
+
+One verification loop, `generate`, serves three methods so that all are measured by the same code:
+DFlash drafts (`DFlashProposer`), prompt-lookup drafts (`flashdraft.eval.ngram.NgramProposer`) and
+no drafts at all (plain autoregressive decoding, the speed baseline). It follows dflash.md section 3
+and the reference `dflash` package step for step, so its tau is the reference's tau:
+
+- prefill: the target runs the prompt and picks the first new token; the tapped features of every
+  prompt token become the drafter's first context rows;
+- each cycle: block = [last verified token, MASK x (B-1)] at positions start..start+B-1 (B shrinks
+  near the token budget); drafts = argmax of the target's lm_head on slots 1..B-1; the target verifies
+  the block in one forward; the longest prefix where draft k equals the target's token at k-1 is
+  accepted, then the target's next token is appended (the bonus); the target cache is cropped and the
+  features of the kept tokens become the next context rows.
+
+At T = 0 the target's token is its argmax; at T > 0 it is a sample from softmax(logits / T): the
+drafts are deterministic, so accepting a draft exactly when it equals an independent sample, and
+otherwise keeping that sample, draws every token from the target's own distribution (lossless).
+
+Acceptance length of a cycle = tokens it commits (accepted drafts + the bonus, cut at a stop token or
+the budget), in [1, B]; tau = its mean per sample, then the mean over samples (as `dflash` computes it).
+transformers' `generate` has no hook for a drafter fed by target hidden states, hence this loop.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+import torch
+from transformers import DynamicCache, PreTrainedModel
+
+from flashdraft.eval.ngram import NgramProposer
+from flashdraft.model.drafter import DFlashDrafter, Visibility
+from flashdraft.model.target import Target
+
+
+class Proposer(Protocol):
+    """A source of draft tokens for `generate`."""
+
+    def observe(self, token_ids: torch.Tensor, features: torch.Tensor, start: int) -> None:
+        """Verified tokens [1, n] at positions start..start+n-1 and their tapped features [1, n, N*D]."""
+
+    def propose(self, last_token: torch.Tensor, start: int, num_drafts: int) -> torch.Tensor:
+        """At most `num_drafts` tokens [1, k] to follow `last_token` (a [1] tensor at position `start`)."""
+
+
+@dataclass
+class Generation:
+    """One prompt's decoding: new tokens (the first from the prefill) and per-cycle statistics."""
+
+    tokens: list[int]
+    accept_lengths: list[int] = field(default_factory=list)  # tokens committed per verify cycle
+    verify_sizes: list[int] = field(default_factory=list)  # tokens the target verified per cycle
+    ttft_s: float = 0.0  # prefill, up to the first new token
+    decode_s: float = 0.0  # every cycle after it
+
+    @property
+    def tau(self) -> float:
+        """Mean acceptance length over this sample's cycles; nan when no cycle ran."""
+        if not self.accept_lengths:
+            return math.nan
+        return sum(self.accept_lengths) / len(self.accept_lengths)
+
+
+def sample_tokens(
+    logits: torch.Tensor, temperature: float, generator: torch.Generator | None
+) -> torch.Tensor:
+    """One token per row of logits [n, V]: the argmax at T = 0, else a sample of softmax(logits / T)."""
+    if temperature <= 0:
+        return logits.argmax(-1)
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+def new_cache(model: PreTrainedModel) -> DynamicCache:
+    """A target KV cache that can be cropped (sliding-window layers keep the states crop needs)."""
+    cache = DynamicCache(config=model.config)
+    cache.activate_past_recording()
+    return cache
+
+
+def _clock(device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+class DFlashProposer:
+    """Drafts a block in one drafter forward; its KV cache holds context rows only (block K/V are dropped)."""
+
+    def __init__(self, drafter: DFlashDrafter, target: Target):
+        if list(target.layer_ids) != drafter.target_layer_ids:
+            raise ValueError(f"target taps {target.layer_ids}, drafter expects {drafter.target_layer_ids}")
+        self.drafter = drafter
+        self.target = target
+        self.dtype = drafter.fc.weight.dtype
+        self.kv: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def observe(self, token_ids: torch.Tensor, features: torch.Tensor, start: int) -> None:
+        positions = torch.arange(start, start + features.shape[1], device=features.device)[None]
+        rows = self.drafter.context_kv(self.drafter.fuse(features.to(self.dtype)), positions)
+        if self.kv:
+            rows = [
+                (torch.cat([k0, k], 2), torch.cat([v0, v], 2))
+                for (k0, v0), (k, v) in zip(self.kv, rows, strict=True)
+            ]
+        self.kv = rows
+
+    def propose(self, last_token: torch.Tensor, start: int, num_drafts: int) -> torch.Tensor:
+        mask = last_token.new_full((1, num_drafts), self.drafter.mask_token_id)
+        block = torch.cat([last_token.view(1, 1), mask], dim=1)
+        positions = torch.arange(start, start + num_drafts + 1, device=block.device)[None]
+        embeds = self.target.embed_tokens(block).to(self.dtype)
+        hidden = self.drafter(embeds, positions, self.kv, Visibility(None))
+        head = self.target.lm_head
+        return head(hidden[:, 1:].to(head.weight.dtype)).argmax(-1)
+
+
+def _verify(
+    target: Target,
+    cache: DynamicCache,
+    block: torch.Tensor,
+    temperature: float,
+    generator: torch.Generator | None,
+) -> tuple[list[int], torch.Tensor]:
+    """Target forward over the block: (accepted drafts + the bonus token, features of the block)."""
+    logits, features = target.decode(block, cache)
+    picked = sample_tokens(logits[0], temperature, generator)
+    drafts = block[0, 1:]
+    accepted = int((drafts == picked[:-1]).cumprod(0).sum())
+    return torch.cat([drafts[:accepted], picked[accepted : accepted + 1]]).tolist(), features
+
+
+def _cut_at_stop(tokens: list[int], stops: set[int]) -> tuple[list[int], bool]:
+    for i, t in enumerate(tokens):
+        if t in stops:
+            return tokens[: i + 1], True
+    return tokens, False
+
+
+@torch.inference_mode()
+def generate(
+    target: Target,
+    prompt_ids: torch.Tensor,
+    max_new_tokens: int,
+    proposer: Proposer | None = None,
+    block_size: int = 16,
+    temperature: float = 0.0,
+    stop_token_ids: Sequence[int] = (),
+    generator: torch.Generator | None = None,
+) -> Generation:
+    """Decode up to `max_new_tokens` after prompt_ids [1, n] (stop tokens are kept in the output).
+
+    With a proposer, each cycle verifies its drafts (at most block_size - 1); without one, every cycle
+    verifies a single token: plain autoregressive decoding by the same code.
+    """
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    device = prompt_ids.device
+    stops = set(stop_token_ids)
+    max_length = prompt_ids.shape[1] + max_new_tokens
+    width = block_size if proposer is not None else 1
+
+    t0 = _clock(device)
+    cache = new_cache(target.model)
+    logits, features = target.decode(prompt_ids, cache)
+    last = sample_tokens(logits[0, -1:], temperature, generator)
+    out = Generation(tokens=last.tolist())
+    t1 = _clock(device)
+    if proposer is not None:  # as in the reference, the drafter first sees the prompt after the first token
+        proposer.observe(prompt_ids, features, 0)
+
+    start = prompt_ids.shape[1]
+    stopped = out.tokens[0] in stops
+    while start + 1 < max_length and not stopped:
+        size = min(width, max_length - start)
+        drafts = proposer.propose(last, start, size - 1) if size > 1 else last.new_empty((1, 0))
+        block = torch.cat([last.view(1, 1), drafts], dim=1)
+        new, features = _verify(target, cache, block, temperature, generator)
+        new, stopped = _cut_at_stop(new[: max_length - start - 1], stops)
+        kept = len(new)
+        cache.crop(kept - block.shape[1])
+        if proposer is not None:
+            proposer.observe(block[:, :kept], features[:, :kept], start)
+        out.tokens += new
+        out.accept_lengths.append(kept)
+        out.verify_sizes.append(block.shape[1])
+        start += kept
+        last = torch.tensor(new[-1:], device=device)
+    out.ttft_s, out.decode_s = t1 - t0, _clock(device) - t1
+    return out
+
+
+# ---- prompts -------------------------------------------------------------------------------------
+
+
+def chat_messages(record: dict) -> list[dict]:
+    """The conversation to continue: `messages` less a trailing assistant turn, or `prompt` as a user turn."""
+    if isinstance(record.get("messages"), list) and record["messages"]:
+        messages = list(record["messages"])
+        if messages[-1].get("role") == "assistant":
+            messages.pop()
+        if not messages:
+            raise ValueError("`messages` holds nothing but an assistant turn")
+        return messages
+    if isinstance(record.get("prompt"), str):
+        return [{"role": "user", "content": record["prompt"]}]
+    raise ValueError(
+        f"a prompt record needs `messages` (a list) or `prompt` (a string); got keys {sorted(record)}"
+    )
+
+
+def read_prompts(path: str | Path, limit: int | None = None) -> list[list[dict]]:
+    """Conversations from a JSONL file of {"messages": [...]} or {"prompt": "..."} records."""
+    conversations = []
+    for n, line in enumerate(Path(path).read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            conversations.append(chat_messages(json.loads(line)))
+        except (json.JSONDecodeError, ValueError, AttributeError) as e:
+            raise ValueError(f"{path}:{n}: {e}") from None
+        if limit is not None and len(conversations) >= limit:
+            break
+    if not conversations:
+        raise ValueError(f"{path}: no prompts")
+    return conversations
+
+
+def encode_prompt(tokenizer, messages: list[dict], thinking: bool = False) -> list[int]:
+    """Token ids of the chat template with the generation prompt (`enable_thinking` set as given)."""
+    text = tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True, enable_thinking=thinking
+    )
+    return tokenizer(text, add_special_tokens=False).input_ids
+
+
+def stop_token_ids(model: PreTrainedModel, tokenizer=None) -> list[int]:
+    """The target's end-of-sequence ids (generation config first, then the tokenizer's)."""
+    eos = getattr(model.generation_config, "eos_token_id", None)
+    if eos is None and tokenizer is not None:
+        eos = tokenizer.eos_token_id
+    if eos is None:
+        return []
+    return [eos] if isinstance(eos, int) else list(eos)
+
+
+# ---- entry points --------------------------------------------------------------------------------
+
+# A Target registers forward hooks that live as long as the model; wrapping a bare model on every
+# eval_tau call would stack hooks (each holding its last activations). The wrappers are kept alive by
+# those hooks, so a weak map finds them again without keeping the model alive.
+_WRAPPED: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+
+
+def decoding_target(target: Target | PreTrainedModel, drafter: DFlashDrafter) -> Target:
+    """A full (not truncated) Target that taps the drafter's layers; a bare model is wrapped once."""
+    if isinstance(target, Target):
+        if target.layer_ids != drafter.target_layer_ids:
+            raise ValueError(f"target taps {target.layer_ids}, drafter expects {drafter.target_layer_ids}")
+        model = target.model
+    else:
+        model = target
+        key = (id(model), tuple(drafter.target_layer_ids))
+        target = _WRAPPED.get(key)
+        if target is None or target.model is not model:
+            target = _WRAPPED[key] = Target(model, drafter.target_layer_ids)
+    depth, width = int(drafter.config.num_target_layers), drafter.config.hidden_size
+    if model.config.hidden_size != width:
+        raise ValueError(
+            f"the target's width is {model.config.hidden_size}, the drafter was trained on {width}"
+        )
+    if model.config.num_hidden_layers != depth:
+        raise ValueError(
+            f"the target has {model.config.num_hidden_layers} layers, the drafter was trained on {depth}: "
+            "speculative decoding needs the full target (a Target built with truncate=True drops layers)"
+        )
+    return target
+
+
+def eval_tau(
+    target: Target | PreTrainedModel,
+    tokenizer,
+    drafter: DFlashDrafter,
+    prompts: Sequence,
+    max_new_tokens: int = 64,
+    block_size: int | None = None,
+    thinking: bool = False,
+) -> float:
+    """Greedy tau of `drafter` on a few prompts, cheap enough to call every N training steps.
+
+    prompts: token-id lists (tokenizer may then be None), or, with a tokenizer, strings (one user turn)
+    or message lists, rendered with its chat template. Stops at the target's end-of-sequence ids.
+    """
+    spec = decoding_target(target, drafter)
+    ids = [_prompt_ids(p, tokenizer, thinking) for p in prompts]
+    stops = stop_token_ids(spec.model, tokenizer)
+    was_training = drafter.training
+    drafter.eval()
+    try:
+        taus = [
+            generate(
+                spec,
+                torch.tensor([p], device=spec.device),
+                max_new_tokens,
+                DFlashProposer(drafter, spec),
+                block_size or drafter.block_size,
+                stop_token_ids=stops,
+            ).tau
+            for p in ids
+        ]
+    finally:
+        drafter.train(was_training)
+    return mean_tau(taus)
+
+
+def _prompt_ids(prompt, tokenizer, thinking: bool) -> list[int]:
+    if not isinstance(prompt, str) and all(isinstance(t, int) for t in prompt):
+        return list(prompt)
+    if tokenizer is None:
+        raise ValueError("prompts other than token-id lists need a tokenizer")
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+    return encode_prompt(tokenizer, messages, thinking)
+
+
+def mean_tau(taus: Sequence[float]) -> float:
+    """Mean over samples of per-sample tau; samples without a single cycle are left out."""
+    valid = [t for t in taus if not math.isnan(t)]
+    return sum(valid) / len(valid) if valid else math.nan
+
+
+METHODS = ("autoregressive", "dflash", "ngram")
+
+
+def _proposer(method: str, drafter: DFlashDrafter, target: Target) -> Proposer | None:
+    if method == "dflash":
+        return DFlashProposer(drafter, target)
+    if method == "ngram":
+        return NgramProposer()
+    return None
+
+
+def run_methods(
+    target: Target,
+    drafter: DFlashDrafter,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    block_size: int,
+    temperature: float = 0.0,
+    stop_tokens: Sequence[int] = (),
+    seed: int = 0,
+    progress=None,
+) -> dict[str, list[Generation]]:
+    """Every prompt through plain decoding, DFlash and prompt lookup, interleaved so that drifting clocks
+    hit all three alike; one short warm-up run per method first (allocator, kernels) is not measured."""
+    device = target.device
+    results: dict[str, list[Generation]] = {m: [] for m in METHODS}
+    warm = torch.tensor([prompts[0]], device=device)
+    for method in METHODS:
+        generate(target, warm, min(16, max_new_tokens), _proposer(method, drafter, target), block_size)
+    for i, prompt in enumerate(prompts):
+        ids = torch.tensor([prompt], device=device)
+        for method in METHODS:
+            gen = torch.Generator(device=device).manual_seed(seed + i)
+            proposer = _proposer(method, drafter, target)
+            results[method].append(
+                generate(target, ids, max_new_tokens, proposer, block_size, temperature, stop_tokens, gen)
+            )
+        if progress is not None:
+            progress(i + 1, len(prompts))
+    return results

@@ -1,0 +1,1 @@
+"""Engine-ready checkpoint layouts (z-lab, vLLM speculators)."""

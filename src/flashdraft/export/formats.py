@@ -1,0 +1,245 @@
+"""Engine-ready drafter checkpoints: the z-lab layout and vLLM's speculators layout.
+
+z-lab (dflash.md section 4) is what SGLang, vLLM (`method: "dflash"`) and the reference `dflash`
+package load: config.json + model.safetensors, nothing else. The speculators layout is the one
+vllm-project/speculators writes for DFlash (`speculators_model_type: "dflash"`) and vLLM reads
+through its speculators config path. Its field names follow speculators 0.9.0
+(`speculators/convert/dflash/converter.py`, `models/dflash/config.py`) and vLLM's `update_dflash`
+(`transformers_utils/configs/speculators/algos.py`): target layers are numbered from the embedding
+output (`aux_hidden_state_layer_ids` = z-lab id + 1, which vLLM maps back with - 1), and the weights
+are the z-lab ones under the same names (speculators saves neither the embedding nor a full-vocab
+lm_head; both come from the verifier at load time).
+
+Both are written under a temporary name and renamed when complete.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+import transformers
+from safetensors.torch import load_file, save_file
+from transformers import Qwen3Config
+
+CONFIG = "config.json"
+WEIGHTS = "model.safetensors"
+FORMATS = ("zlab", "speculators")
+SPECULATORS_VERSION = "0.9.0"  # the speculators release whose layout `speculators_config` follows
+
+QWEN3_FIELDS = (
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "rms_norm_eps",
+    "max_position_embeddings",
+    "vocab_size",
+)
+# config.json keys that describe DFlash rather than the draft transformer (as speculators splits them)
+_NOT_TRANSFORMER = ("architectures", "auto_map", "block_size", "dflash_config", "num_target_layers")
+
+
+def _int_list(value) -> bool:
+    return isinstance(value, list) and bool(value) and all(isinstance(i, int) for i in value)
+
+
+def config_problems(cfg: dict) -> list[str]:
+    """Everything that keeps config.json from being an engine-loadable z-lab config."""
+    problems = [
+        f"missing {k}"
+        for k in (*QWEN3_FIELDS, "num_target_layers")
+        if not isinstance(cfg.get(k), int | float)
+    ]
+    if cfg.get("architectures") != ["DFlashDraftModel"]:
+        problems.append(f'architectures must be ["DFlashDraftModel"], got {cfg.get("architectures")}')
+    if cfg.get("model_type") != "qwen3":
+        problems.append(f'model_type must be "qwen3", got {cfg.get("model_type")!r}')
+    if cfg.get("tie_word_embeddings", False):
+        problems.append("tie_word_embeddings must be false")
+    if "rope_theta" not in cfg and "rope_theta" not in (cfg.get("rope_parameters") or {}):
+        problems.append("missing rope_theta")
+    layer_types = cfg.get("layer_types")
+    if layer_types is not None and len(layer_types) != cfg.get("num_hidden_layers"):
+        problems.append(
+            f"layer_types has {len(layer_types)} entries for {cfg.get('num_hidden_layers')} layers"
+        )
+    return problems + _dflash_problems(cfg)
+
+
+def _dflash_problems(cfg: dict) -> list[str]:
+    dflash = cfg.get("dflash_config")
+    if not isinstance(dflash, dict):
+        return ["missing dflash_config"]
+    problems = []
+    ids, mask, depth = (
+        dflash.get("target_layer_ids"),
+        dflash.get("mask_token_id"),
+        cfg.get("num_target_layers"),
+    )
+    if not _int_list(ids):
+        problems.append("dflash_config.target_layer_ids must be a non-empty list of layer ids")
+    elif isinstance(depth, int) and not all(0 <= i < depth for i in ids):
+        problems.append(f"dflash_config.target_layer_ids {ids} outside the target's {depth} layers")
+    if not isinstance(mask, int) or not 0 <= mask < cfg.get("vocab_size", 0):
+        problems.append(f"dflash_config.mask_token_id {mask!r} is not a row of the vocabulary")
+    sizes = {s for s in (cfg.get("block_size"), dflash.get("block_size")) if s is not None}
+    if len(sizes) != 1 or not all(isinstance(s, int) and s >= 2 for s in sizes):
+        problems.append(
+            f"block_size (top level and dflash_config) must be one integer >= 2, got {sorted(sizes)}"
+        )
+    return problems
+
+
+def block_size_of(cfg: dict) -> int:
+    return int(cfg.get("block_size") or cfg["dflash_config"]["block_size"])
+
+
+def expected_weights(cfg: dict) -> dict[str, tuple[int, ...]]:
+    """Every tensor of a z-lab checkpoint and its shape (no embedding, no lm_head)."""
+    d, inter, hd = cfg["hidden_size"], cfg["intermediate_size"], cfg["head_dim"]
+    q, kv = cfg["num_attention_heads"] * hd, cfg["num_key_value_heads"] * hd
+    shapes = {
+        "fc.weight": (d, len(cfg["dflash_config"]["target_layer_ids"]) * d),
+        "hidden_norm.weight": (d,),
+        "norm.weight": (d,),
+    }
+    per_layer = {
+        "self_attn.q_proj.weight": (q, d),
+        "self_attn.k_proj.weight": (kv, d),
+        "self_attn.v_proj.weight": (kv, d),
+        "self_attn.o_proj.weight": (d, q),
+        "self_attn.q_norm.weight": (hd,),
+        "self_attn.k_norm.weight": (hd,),
+        "mlp.gate_proj.weight": (inter, d),
+        "mlp.up_proj.weight": (inter, d),
+        "mlp.down_proj.weight": (d, inter),
+        "input_layernorm.weight": (d,),
+        "post_attention_layernorm.weight": (d,),
+    }
+    if cfg.get("attention_bias", False):
+        per_layer |= {f"self_attn.{p}_proj.bias": (n,) for p, n in (("q", q), ("k", kv), ("v", kv), ("o", d))}
+    for i in range(cfg["num_hidden_layers"]):
+        shapes |= {f"layers.{i}.{name}": shape for name, shape in per_layer.items()}
+    return shapes
+
+
+def weight_problems(cfg: dict, weights: dict[str, torch.Tensor]) -> list[str]:
+    expected = expected_weights(cfg)
+    problems = [f"missing tensor {k}" for k in sorted(expected.keys() - weights.keys())]
+    problems += [f"unexpected tensor {k}" for k in sorted(weights.keys() - expected.keys())]
+    problems += [
+        f"{k} has shape {tuple(weights[k].shape)}, config implies {shape}"
+        for k, shape in expected.items()
+        if k in weights and tuple(weights[k].shape) != shape
+    ]
+    return problems
+
+
+def read_zlab(ckpt_dir: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
+    """(config, tensors) of a z-lab directory, validated; ValueError lists every problem found."""
+    ckpt_dir = Path(ckpt_dir)
+    for name in (CONFIG, WEIGHTS):
+        if not (ckpt_dir / name).is_file():
+            raise FileNotFoundError(f"{ckpt_dir}: no {name} (not a z-lab checkpoint directory)")
+    cfg = json.loads((ckpt_dir / CONFIG).read_text())
+    problems = config_problems(cfg)
+    if problems:
+        raise ValueError(f"{ckpt_dir / CONFIG}:\n  " + "\n  ".join(problems))
+    weights = load_file(str(ckpt_dir / WEIGHTS))
+    problems = weight_problems(cfg, weights)
+    if problems:
+        raise ValueError(f"{ckpt_dir / WEIGHTS}:\n  " + "\n  ".join(problems))
+    return cfg, weights
+
+
+def speculators_config(cfg: dict, verifier: str, verifier_architectures: list[str]) -> dict:
+    """The speculators config.json of a z-lab config (see the module docstring for the sources)."""
+    dflash = cfg["dflash_config"]
+    depth = cfg["num_target_layers"]
+    last = [i for i in dflash["target_layer_ids"] if i + 1 >= depth]
+    if last:
+        raise ValueError(
+            f"target layer {last} is the target's last layer: vLLM collects aux hidden states at the input "
+            "of a layer, so the speculators layout cannot name it (use the z-lab layout)"
+        )
+    block = block_size_of(cfg)
+    # normalised the way speculators serialises it: the non-default fields of a Qwen3Config
+    transformer = Qwen3Config(**{k: v for k, v in cfg.items() if k not in _NOT_TRANSFORMER}).to_diff_dict()
+    return {
+        "architectures": ["DFlashDraftModel"],
+        "speculators_model_type": "dflash",
+        "speculators_version": SPECULATORS_VERSION,
+        "speculators_config": {
+            "algorithm": "dflash",
+            "proposal_methods": [
+                {
+                    "proposal_type": "greedy",
+                    "speculative_tokens": block - 1,
+                    "verifier_accept_k": 1,
+                    "accept_tolerance": 0.0,
+                }
+            ],
+            "default_proposal_method": "greedy",
+            "verifier": {"name_or_path": verifier, "architectures": list(verifier_architectures)},
+        },
+        "transformer_layer_config": transformer,
+        "draft_vocab_size": cfg["vocab_size"],
+        "block_size": block,
+        "target_hidden_size": None,
+        "aux_hidden_state_layer_ids": [i + 1 for i in dflash["target_layer_ids"]],
+        "mask_token_id": dflash["mask_token_id"],
+        "sliding_window_non_causal": False,
+        "sample_from_anchor": False,
+        "tie_word_embeddings": False,
+        "dtype": "bfloat16",
+        "transformers_version": transformers.__version__,
+    }
+
+
+def _write_atomic(out_dir: Path, cfg: dict, weights: dict[str, torch.Tensor]) -> Path:
+    if out_dir.exists() and any(out_dir.iterdir()):
+        raise FileExistsError(f"{out_dir} exists and is not empty")
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out_dir.parent / f".tmp-{out_dir.name}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    tensors = {k: v.to(torch.bfloat16).contiguous() for k, v in sorted(weights.items())}
+    save_file(tensors, str(tmp / WEIGHTS), metadata={"format": "pt"})
+    (tmp / CONFIG).write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    if out_dir.exists():
+        out_dir.rmdir()
+    os.replace(tmp, out_dir)
+    return out_dir
+
+
+def verifier_architectures(verifier: str) -> list[str]:
+    """`architectures` of the verifier's config.json when it is a local directory; [] otherwise
+    (vLLM reads only the verifier's name)."""
+    path = Path(verifier) / CONFIG
+    return list(json.loads(path.read_text()).get("architectures") or []) if path.is_file() else []
+
+
+def export_checkpoint(
+    ckpt_dir: str | Path, fmt: str, out_dir: str | Path, verifier: str | None = None
+) -> Path:
+    """Validate a z-lab checkpoint and write it as `fmt` (zlab or speculators) into out_dir, in bf16.
+
+    verifier: the target's hub id or path, recorded in the speculators config (required there).
+    """
+    if fmt not in FORMATS:
+        raise ValueError(f"unknown format {fmt!r}; choose one of {list(FORMATS)}")
+    cfg, weights = read_zlab(ckpt_dir)
+    if fmt == "zlab":
+        out_cfg = {**cfg, "torch_dtype": "bfloat16"}
+        out_cfg.pop("dtype", None)
+    else:
+        if not verifier:
+            raise ValueError("the speculators layout names its verifier: give the target's hub id or path")
+        out_cfg = speculators_config(cfg, verifier, verifier_architectures(verifier))
+    return _write_atomic(Path(out_dir), out_cfg, weights)

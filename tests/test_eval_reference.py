@@ -1,0 +1,85 @@
+"""Against the reference `dflash` package (PyPI, z-lab): our exported checkpoint loads there, its drafter
+computes the same hidden states as ours, and its decoding loop reports the same acceptance lengths and
+output as our eval on the same prompts at T = 0.
+
+The reference runs on CPU except for `return_stats=True`, whose timer calls torch.cuda.synchronize();
+that timer is replaced by a plain clock here (`spec_generate`, the public call, needs no change).
+dflash 0.1.0 pins tqdm/datasets/requests exactly, so it is installed with `pip install --no-deps`.
+"""
+
+import time
+
+import pytest
+import torch
+
+from flashdraft.eval.spec import DFlashProposer, generate
+from flashdraft.export.formats import export_checkpoint
+from flashdraft.model.checkpoint import load_drafter, write_zlab
+from flashdraft.model.drafter import Visibility
+from flashdraft.model.target import Target
+from test_eval_spec import tiny_setup
+
+reference = pytest.importorskip(
+    "dflash.model", reason="reference package: pip install --no-deps dflash==0.1.0"
+)
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    """The trained tiny drafter exported to the z-lab layout; loaded by flashdraft and by dflash."""
+    s = tiny_setup()
+    root = tmp_path_factory.mktemp("reference")
+    (root / "ckpt").mkdir()
+    write_zlab(s.trained, root / "ckpt")
+    out = export_checkpoint(root / "ckpt", "zlab", root / "zlab")
+    ref, info = reference.DFlashDraftModel.from_pretrained(
+        str(out), dtype=torch.float32, output_loading_info=True
+    )
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    ours = load_drafter(out)
+    return s, ours.eval(), ref.eval()
+
+
+def test_reference_reads_the_dflash_fields_of_our_checkpoint(exported):
+    _, ours, ref = exported
+    assert ref.target_layer_ids == ours.target_layer_ids
+    assert ref.block_size == ours.block_size
+    assert ref.mask_token_id == ours.mask_token_id
+    for name, tensor in ours.state_dict().items():
+        torch.testing.assert_close(ref.state_dict()[name], tensor, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("context", [1, 9, 40])
+def test_reference_drafter_computes_our_hidden_states(exported, context):
+    _, ours, ref = exported
+    g = torch.Generator().manual_seed(context)
+    hidden = ours.config.hidden_size
+    features = torch.randn(1, context, len(ours.target_layer_ids) * hidden, generator=g)
+    block = torch.randn(1, ours.block_size, hidden, generator=g)
+    positions = torch.arange(context + ours.block_size)[None] + 3
+    with torch.no_grad():
+        theirs = ref(position_ids=positions, noise_embedding=block, target_hidden=features)
+        ctx_kv = ours.context_kv(ours.fuse(features), positions[:, :context])
+        mine = ours(block, positions[:, context:], ctx_kv, Visibility(None))
+    torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-5)
+
+
+def test_reference_decoding_reports_our_acceptance_lengths(exported, monkeypatch):
+    s, ours, ref = exported
+    monkeypatch.setattr(reference, "_cuda_time", time.perf_counter)  # its stats timer is CUDA-only
+    target = Target(s.model, ours.target_layer_ids)
+    lengths = []
+    for i, prompt in enumerate(s.prompts):
+        ids = torch.tensor([prompt])
+        stops = [generate(target, ids, 40).tokens[15]] if i % 2 else None  # some runs end at a stop token
+        theirs = reference.dflash_generate(ref, s.model, ids, 40, stops, temperature=0.0, return_stats=True)
+        mine = generate(
+            target, ids, 40, DFlashProposer(ours, target), ours.block_size, stop_token_ids=stops or ()
+        )
+        assert mine.accept_lengths == theirs.acceptance_lengths
+        assert mine.tokens == theirs.output_ids[0, len(prompt) :].tolist()
+        assert len(mine.tokens) < 40 if stops else len(mine.tokens) == 40
+        public = ref.spec_generate(s.model, ids, 40, stops)
+        assert public[0, len(prompt) :].tolist() == mine.tokens
+        lengths += mine.accept_lengths
+    assert sum(lengths) / len(lengths) > 3  # the drafter is accepted, so acceptance lengths say something

@@ -1,0 +1,287 @@
+"""The speculative-decoding engine: greedy output is the target's own, tau counts what it should,
+eval_tau is cheap and safe to call from training, and `flashdraft eval` writes its report."""
+
+import json
+from functools import lru_cache
+from types import SimpleNamespace
+
+import pytest
+import torch
+import typer
+from typer.testing import CliRunner
+
+from flashdraft.cli.eval import eval_cmd
+from flashdraft.data.packing import collate_rows
+from flashdraft.eval.ngram import NgramProposer, lookup
+from flashdraft.eval.report import acceptance_by_position, build_report, method_summary
+from flashdraft.eval.spec import (
+    DFlashProposer,
+    Generation,
+    chat_messages,
+    decoding_target,
+    encode_prompt,
+    eval_tau,
+    generate,
+    read_prompts,
+    run_methods,
+)
+from flashdraft.model.checkpoint import write_zlab
+from flashdraft.model.drafter import DFlashDrafter, drafter_config
+from flashdraft.model.target import Target
+from flashdraft.train.step import micro_step_loss, plan_micro_batch
+from flashdraft.train.trainer import init_drafter_
+from helpers import BLOCK, GAMMA, MASK_ID, VOCAB, tiny_drafter, tiny_target
+
+NEW_TOKENS = 40
+
+
+@lru_cache(maxsize=1)
+def tiny_setup() -> SimpleNamespace:
+    """A tiny target with peaked logits, an untrained drafter, and a drafter trained (a few seconds) on the
+    target's greedy continuations of `prompts`, so that on those prompts most drafts are accepted."""
+    model = tiny_target()
+    # a random lm_head at init scale gives near-flat distributions; a trained one doesn't
+    with torch.no_grad():
+        model.lm_head.weight.normal_(0.0, 0.5, generator=torch.Generator().manual_seed(1))
+    untrained = tiny_drafter(model, seed=0)
+    trained = tiny_drafter(model, seed=0)
+    target = Target(model, trained.target_layer_ids)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, VOCAB - 1, (10,), generator=g).tolist() for _ in range(6)]
+    _train_on_continuations(trained, target, prompts)
+    return SimpleNamespace(model=model, target=target, untrained=untrained, trained=trained, prompts=prompts)
+
+
+def _train_on_continuations(
+    drafter: DFlashDrafter, target: Target, prompts: list[list[int]], steps: int = 80
+):
+    docs = []
+    for p in prompts:
+        out = generate(target, torch.tensor([p]), 70).tokens
+        docs.append({"input_ids": p + out, "loss_mask": [0] * len(p) + [1] * len(out)})
+    batch = collate_rows([[d] for d in docs], 80, pad_token_id=0)
+    opt = torch.optim.AdamW(drafter.parameters(), lr=3e-3)
+    anchors = torch.Generator().manual_seed(1)
+    drafter.train()
+    for _ in range(steps):
+        mb = plan_micro_batch(batch, 24, BLOCK, MASK_ID, GAMMA, anchors)
+        out = micro_step_loss(drafter, target, mb, "dense")
+        (out.weighted_ce / mb.blocks.weights.sum()).backward()
+        opt.step()
+        opt.zero_grad()
+    drafter.eval()
+
+
+def _proposer(kind: str, s: SimpleNamespace):
+    return NgramProposer() if kind == "ngram" else DFlashProposer(getattr(s, kind), s.target)
+
+
+@pytest.mark.parametrize("kind", ["trained", "untrained", "ngram"])
+def test_greedy_speculative_output_is_the_targets_greedy_output(kind):
+    s = tiny_setup()
+    accepted_drafts = 0
+    for p in s.prompts[:4]:
+        ids = torch.tensor([p])
+        hf = s.model.generate(ids, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False)
+        spec = generate(s.target, ids, NEW_TOKENS, _proposer(kind, s), BLOCK)
+        assert spec.tokens == hf[0, len(p) :].tolist()
+        assert generate(s.target, ids, NEW_TOKENS).tokens == spec.tokens  # the autoregressive baseline too
+        accepted_drafts += sum(a - 1 for a in spec.accept_lengths)
+    if kind != "untrained":  # the accepting path ran, not only the rejecting one
+        assert accepted_drafts > NEW_TOKENS
+
+
+def test_trained_drafter_is_accepted_and_untrained_is_not():
+    s = tiny_setup()
+    trained = eval_tau(s.target, None, s.trained, s.prompts, max_new_tokens=48)
+    untrained = eval_tau(s.target, None, s.untrained, s.prompts, max_new_tokens=48)
+    assert trained > 4.0, trained
+    assert untrained < 1.5, untrained
+
+
+@pytest.mark.parametrize("budget", [1, 2, 9, 33])
+def test_token_budget_is_met_exactly_and_blocks_shrink_to_it(budget):
+    s = tiny_setup()
+    ids = torch.tensor([s.prompts[0]])
+    out = generate(s.target, ids, budget, DFlashProposer(s.trained, s.target), BLOCK)
+    assert len(out.tokens) == budget
+    assert sum(out.accept_lengths) == budget - 1  # every token after the first comes from a cycle
+    left = budget - 1
+    for verified, kept in zip(out.verify_sizes, out.accept_lengths, strict=True):
+        assert 1 <= kept <= verified <= min(BLOCK, left + 1)
+        left -= kept
+
+
+def test_stop_token_ends_generation_and_is_kept():
+    s = tiny_setup()
+    ids = torch.tensor([s.prompts[1]])
+    plain = generate(s.target, ids, NEW_TOKENS).tokens
+    stop = next(t for i, t in enumerate(plain) if i >= 12 and t not in plain[:i])  # first seen late
+    out = generate(
+        s.target, ids, NEW_TOKENS, DFlashProposer(s.trained, s.target), BLOCK, stop_token_ids=[stop]
+    )
+    assert out.tokens == plain[: plain.index(stop) + 1]
+    assert sum(out.accept_lengths) == len(out.tokens) - 1
+    assert out.verify_sizes[-1] > out.accept_lengths[-1]  # the stop cut a cycle short
+
+
+def test_eval_tau_is_the_mean_of_per_sample_tau_and_restores_training_mode():
+    s = tiny_setup()
+    per_sample = [
+        generate(s.target, torch.tensor([p]), 24, DFlashProposer(s.trained, s.target), BLOCK).tau
+        for p in s.prompts[:3]
+    ]
+    s.trained.train()
+    try:
+        tau = eval_tau(s.model, None, s.trained, s.prompts[:3], max_new_tokens=24)
+        assert s.trained.training
+    finally:
+        s.trained.eval()
+    assert tau == pytest.approx(sum(per_sample) / 3)
+
+
+def test_eval_tau_on_a_bare_model_wraps_it_once():
+    s = tiny_setup()
+    layer = s.model.model.layers[s.trained.target_layer_ids[0]]
+    eval_tau(s.model, None, s.trained, s.prompts[:1], max_new_tokens=4)
+    hooks = len(layer._forward_hooks)
+    for _ in range(3):
+        eval_tau(s.model, None, s.trained, s.prompts[:1], max_new_tokens=4)
+    assert len(layer._forward_hooks) == hooks
+    assert decoding_target(s.model, s.trained) is decoding_target(s.model, s.trained)
+
+
+def test_eval_tau_refuses_a_truncated_training_target():
+    model = tiny_target()
+    drafter = tiny_drafter(model)
+    truncated = Target(model, drafter.target_layer_ids, truncate=True)
+    with pytest.raises(ValueError, match="full target"):
+        eval_tau(truncated, None, drafter, [[1, 2, 3]], max_new_tokens=4)
+
+
+def test_prompt_lookup_copies_the_continuation_of_the_longest_earliest_match():
+    seq = [5, 1, 2, 3, 9, 1, 2, 4, 7, 1, 2]
+    assert lookup(seq, 3, max_ngram=3) == [3, 9, 1]  # "1 2" first seen at index 1
+    assert lookup([8, 1, 2, 6, 2, 1, 2], 2, max_ngram=2) == [6, 2]
+    assert lookup([1, 2, 3, 2], 4, max_ngram=2) == [3, 2]  # no bigram match: the unigram "2"
+    assert lookup([1, 2, 3], 4) == []
+    assert lookup(seq, 0) == []
+
+
+def test_prompts_are_rendered_for_generation_without_a_trailing_assistant_turn(tmp_path, tiny_tokenizer):
+    path = tmp_path / "prompts.jsonl"
+    user = {"role": "user", "content": "hello"}
+    records = [{"messages": [user, {"role": "assistant", "content": "old answer"}]}, {}, {"prompt": "hello"}]
+    path.write_text("\n".join(json.dumps(r) for r in records[::2]) + "\n\n")
+    conversations = read_prompts(path)
+    assert conversations == [[user], [user]]
+    text = tiny_tokenizer.decode(encode_prompt(tiny_tokenizer, conversations[0]))
+    assert text == "<|im_start|>user\nhello<|im_end|>\n<|im_start|>assistant\n"
+    with pytest.raises(ValueError, match="messages"):
+        chat_messages(records[1])
+
+
+def test_report_counts_acceptance_per_cycle_and_per_position():
+    gens = [
+        Generation(tokens=list(range(9)), accept_lengths=[4, 1, 3], verify_sizes=[4, 4, 4], decode_s=0.8),
+        Generation(tokens=list(range(3)), accept_lengths=[2], verify_sizes=[2], decode_s=0.4),
+        Generation(tokens=[7]),  # stopped at the first token: no cycle, left out of tau
+    ]
+    assert acceptance_by_position(gens, 4) == [
+        pytest.approx(3 / 4),
+        pytest.approx(2 / 3),
+        pytest.approx(1 / 3),
+    ]
+    stats = method_summary(gens, 4)
+    assert stats["tau"] == pytest.approx((8 / 3 + 2) / 2)
+    assert stats["accept_length_histogram"] == {"1": 1, "2": 1, "3": 1, "4": 1}
+    assert stats["time_per_output_token_s"] == pytest.approx((0.8 / 8 + 0.4 / 2) / 2)
+    plain = [Generation(tokens=g.tokens, decode_s=2 * g.decode_s) for g in gens]
+    report = build_report({"temperature": 0.0}, {"autoregressive": plain, "dflash": gens, "ngram": gens}, 4)
+    assert report["speedup"]["dflash"] == pytest.approx(2.0)
+    assert report["identical_to_autoregressive"] == {"dflash": 3, "ngram": 3, "of": 3}
+
+
+def test_run_methods_measures_all_three_on_every_prompt():
+    s = tiny_setup()
+    results = run_methods(s.target, s.trained, s.prompts[:2], 20, BLOCK)
+    assert {m: len(g) for m, g in results.items()} == {"autoregressive": 2, "dflash": 2, "ngram": 2}
+    assert all(
+        g.tokens == p.tokens for g, p in zip(results["dflash"], results["autoregressive"], strict=True)
+    )
+    assert all(g.decode_s > 0 for gens in results.values() for g in gens)
+
+
+# ---- `flashdraft eval` ---------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_drafter_dir(tmp_path_factory, tiny_target_dir, tiny_tokenizer):
+    from transformers import AutoConfig
+
+    cfg = drafter_config(
+        AutoConfig.from_pretrained(tiny_target_dir), 1, None, 2, 4, tiny_tokenizer.mask_token_id
+    )
+    drafter = DFlashDrafter(cfg)
+    init_drafter_(drafter, std=0.02, seed=0)
+    out = tmp_path_factory.mktemp("drafter")
+    write_zlab(drafter, out)
+    return out
+
+
+def _cli() -> typer.Typer:
+    app = typer.Typer()
+    app.command("eval")(eval_cmd)
+    app.command("noop")(lambda: None)  # a second command keeps `eval` a subcommand
+    return app
+
+
+def test_eval_cli_writes_report_plot_and_table(tmp_path, tiny_target_dir, tiny_drafter_dir):
+    prompts = tmp_path / "prompts.jsonl"
+    records = [
+        {"messages": [{"role": "user", "content": "def f(x):"}, {"role": "assistant", "content": "dropped"}]},
+        {"prompt": "import os"},
+    ]
+    prompts.write_text("\n".join(json.dumps(r) for r in records) + "\n")
+    report_path = tmp_path / "out" / "report.json"
+    args = [
+        "eval",
+        "--target",
+        str(tiny_target_dir),
+        "--drafter",
+        str(tiny_drafter_dir),
+        "--prompts",
+        str(prompts),
+    ]
+    args += ["--out", str(report_path), "--max-new-tokens", "12", "--device", "cpu"]
+    result = CliRunner().invoke(_cli(), args)
+    assert result.exit_code == 0, result.output
+    report = json.loads(report_path.read_text())
+    assert report["settings"]["num_prompts"] == 2 and report["settings"]["block_size"] == 4
+    for method in ("autoregressive", "dflash", "ngram"):
+        stats = report[method]
+        assert stats["output_tokens"] > 0 and stats["tokens_per_s"] > 0
+    dflash = report["dflash"]
+    assert 1 <= dflash["tau"] <= 4 and len(dflash["acceptance_by_position"]) == 3
+    assert sum(dflash["accept_length_histogram"].values()) == dflash["cycles"]
+    assert report["identical_to_autoregressive"] == {"dflash": 2, "ngram": 2, "of": 2}
+    assert report["speedup"]["dflash"] > 0 and report["speedup"]["ngram"] > 0
+    assert report_path.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "tau" in result.output and "speedup" in result.output
+
+
+def test_eval_cli_rejects_a_bad_prompt_record(tmp_path, tiny_target_dir, tiny_drafter_dir):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": "ok"}) + "\n" + json.dumps({"text": "no"}) + "\n")
+    args = [
+        "eval",
+        "--target",
+        str(tiny_target_dir),
+        "--drafter",
+        str(tiny_drafter_dir),
+        "--prompts",
+        str(prompts),
+    ]
+    result = CliRunner().invoke(_cli(), [*args, "--out", str(tmp_path / "r.json")])
+    assert result.exit_code == 2
+    assert "prompts.jsonl:2" in result.output and "messages" in result.output
