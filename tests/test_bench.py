@@ -4,9 +4,10 @@ import json
 
 from typer.testing import CliRunner
 
-from flashdraft.bench import shape_config, step_flops
+from flashdraft.bench import shape_config
 from flashdraft.cli.main import app
 from flashdraft.model.drafter import drafter_config
+from flashdraft.train.flops import step_flops
 
 
 def test_bench_tiny_reports_throughput_mfu_and_phases(tmp_path):

@@ -300,3 +300,36 @@ def test_submit_after_close_is_refused(server, monkeypatch, tmp_path):
     assert mirror.close(timeout=5)
     with pytest.raises(RuntimeError, match="closed"):
         mirror.submit_file(tmp_path / "x", "x")
+
+
+def test_training_mirrors_to_s3_and_resumes_on_a_fresh_machine(
+    server, monkeypatch, tmp_path, tiny_target_dir
+):
+    """`train --s3` uploads checkpoints; `--resume s3://...` into an empty directory continues the run."""
+    import json as _json
+
+    from helpers import random_docs
+
+    from flashdraft.config import resolve_config
+    from flashdraft.data.packing import save_token_dataset
+    from flashdraft.train.trainer import build_trainer
+
+    new_bucket(server, monkeypatch, "runs")
+    save_token_dataset(random_docs([70, 90, 120, 60] * 3, seed=4, prompt_len=10), tmp_path / "data")
+    over = {"data.seq_len": 128, "data.rows_per_batch": 2, "num_anchors": 8, "max_steps": 4, "save_every": 2}
+    cfg = resolve_config("default", **over, **{"drafter.num_layers": 1, "drafter.num_taps": 2})
+    url = "s3://runs/exp1"
+    first = build_trainer(cfg, tiny_target_dir, tmp_path / "data", tmp_path / "a", device="cpu", s3_url=url)
+    for _ in range(2):
+        first.train_step()
+    first.save()
+    assert first.mirror.close(timeout=60)
+
+    fresh = tmp_path / "fresh-machine"
+    resumed = build_trainer(
+        cfg, tiny_target_dir, tmp_path / "data", fresh, device="cpu", resume=True, s3_url=url
+    )
+    assert resumed.step == 2
+    assert (fresh / "checkpoints" / "LATEST").read_text().strip() == "step_000002"
+    resumed.run()
+    assert _json.loads((fresh / "result.json").read_text())["steps"] == 4

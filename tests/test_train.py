@@ -128,7 +128,11 @@ def test_train_command_writes_a_run_directory(tmp_path, tiny_target_dir, tiny_to
         d["input_ids"] = [i % len(tiny_tokenizer) for i in d["input_ids"]]
     save_token_dataset(docs, tmp_path / "data")
     (tmp_path / "cfg.yaml").write_text(
-        "data: {seq_len: 128, rows_per_batch: 2}\nnum_anchors: 8\nlog_every: 2\n"
+        "data: {seq_len: 128, rows_per_batch: 2}\nnum_anchors: 8\nlog_every: 2\neval_max_new_tokens: 16\n"
+    )
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(
+        '{"prompt": "def main():"}\n{"messages": [{"role": "user", "content": "import os"}]}\n'
     )
     run = tmp_path / "run"
     result = CliRunner().invoke(
@@ -142,13 +146,17 @@ def test_train_command_writes_a_run_directory(tmp_path, tiny_target_dir, tiny_to
             "--preset", "tiny_cpu",
             "--max-steps", "4",
             "--save-every", "2",
+            "--eval-prompts", str(prompts),
+            "--eval-every", "4",
         ],
     )  # fmt: skip
     assert result.exit_code == 0, result.output
     assert (run / "config.yaml").exists() and (run / "train.log").exists()
     lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in lines] == [2, 4]
-    assert {"loss", "acc_slot1", "acc_per_slot", "lr", "ctx_tok_s", "draft_pos_s"} <= set(lines[0])
+    assert {"loss", "acc_slot1", "acc_per_slot", "lr", "ctx_tok_s", "draft_pos_s", "mfu"} <= set(lines[0])
+    assert "tau" not in lines[0] and 1.0 <= lines[1]["tau"] <= 16.0  # serving acceptance, measured at step 4
+    assert "tau" in (run / "train.log").read_text()
     ckpts = run / "checkpoints"
     assert (ckpts / "LATEST").read_text().strip() == "step_000004"
     assert (ckpts / "step_000002" / "model.safetensors").exists()

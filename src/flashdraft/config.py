@@ -55,6 +55,10 @@ class TrainConfig(_Strict):
     log_every: int = Field(10, ge=1)
     save_every: int | None = Field(None, ge=1)
     recompute_logits: bool = Field(True, description="recompute lm_head logits in the backward (less memory)")
+    eval_every: int | None = Field(None, ge=1, description="measure tau (greedy spec decoding) every N steps")
+    eval_prompts: str | None = Field(None, description="JSONL of held-out prompts for tau during training")
+    eval_num_prompts: int = Field(8, ge=1)
+    eval_max_new_tokens: int = Field(64, ge=1)
     keep_last: int | None = Field(None, ge=1, description="keep only the newest K checkpoints")
     seed: int = 0
     compile: bool | None = Field(None, description="torch.compile flex_attention; default: on GPU")
@@ -70,6 +74,8 @@ class TrainConfig(_Strict):
             raise ValueError("drafter.target_layer_ids is empty")
         if self.data.seq_len < self.drafter.block_size:
             raise ValueError("data.seq_len must be at least drafter.block_size")
+        if self.eval_every and not self.eval_prompts:
+            raise ValueError("eval_every needs eval_prompts (a JSONL of held-out prompts)")
         return self
 
 

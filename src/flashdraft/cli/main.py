@@ -41,6 +41,8 @@ def train(
     backend: str = typer.Option(
         "auto", help="process-group backend: auto (NCCL on GPU, gloo on CPU) or gloo"
     ),
+    eval_prompts: Path | None = typer.Option(None, help="held-out prompts (JSONL) for tau during training"),
+    eval_every: int | None = typer.Option(None, help="measure tau every N steps (needs --eval-prompts)"),
 ) -> None:
     """Online training: the frozen target computes features each step, the drafter learns from them.
 
@@ -66,6 +68,7 @@ def train(
         _fail("--out is required (or --resume RUN)")
     try:
         over = {"max_steps": max_steps, "save_every": save_every, "seed": seed, "keep_last": keep_last}
+        over |= {"eval_every": eval_every, "eval_prompts": str(eval_prompts) if eval_prompts else None}
         cfg = resolve_config(preset, config, **over)
         trainer = build_trainer(
             cfg, target, str(data), str(out), device, layout, resume is not None, s3, backend

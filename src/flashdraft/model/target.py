@@ -8,6 +8,7 @@ whose last entry transformers replaces with the final-normed state.
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import torch
@@ -22,15 +23,14 @@ def _decoder_layers(model: PreTrainedModel) -> nn.ModuleList:
     return layers
 
 
-def _truncate(model: PreTrainedModel, keep: int) -> nn.ModuleList:
-    """Drop decoder layers [keep:] for good; the config follows so the decoder loops over `keep`."""
+def _set_depth(model: PreTrainedModel, layers: list[nn.Module], layer_types: list | None) -> None:
+    """Give the decoder these layers; the config follows so the decoder loops over all of them."""
     decoder = model.get_decoder()
-    decoder.layers = nn.ModuleList(list(decoder.layers)[:keep])
+    decoder.layers = nn.ModuleList(layers)
     for config in {id(c): c for c in (model.config, decoder.config)}.values():
-        config.num_hidden_layers = keep
-        if getattr(config, "layer_types", None):
-            config.layer_types = config.layer_types[:keep]
-    return decoder.layers
+        config.num_hidden_layers = len(layers)
+        if layer_types is not None:
+            config.layer_types = layer_types[: len(layers)]
 
 
 class Target:
@@ -51,8 +51,13 @@ class Target:
         n = len(layers)
         if not layer_ids or max(layer_ids) >= n or min(layer_ids) < 0:
             raise ValueError(f"layer ids {layer_ids} do not fit a target of {n} layers")
+        self._all_layers = list(layers)
+        self._layer_types = getattr(model.config, "layer_types", None)
         if truncate or heads_only:
-            layers = _truncate(model, 0 if heads_only else max(layer_ids) + 1)
+            keep = 0 if heads_only else max(layer_ids) + 1
+            _set_depth(model, self._all_layers[:keep], self._layer_types)
+            if heads_only:  # nothing will ever decode here: free the layers
+                self._all_layers = []
         self.heads_only = heads_only
         self._taps: dict[int, torch.Tensor] = {}
         for i in set(layer_ids) if not heads_only else ():
@@ -64,6 +69,19 @@ class Target:
             self._taps[i] = output[0] if isinstance(output, tuple) else output
 
         return hook
+
+    @contextlib.contextmanager
+    def full_depth(self):
+        """Temporarily the whole target again (a truncated Target keeps its later layers aside), e.g.
+        to measure serving acceptance with speculative decoding during training."""
+        if self.heads_only:
+            raise RuntimeError("this Target keeps only the embedding and lm_head (heads_only=True)")
+        kept = list(self.model.get_decoder().layers)
+        _set_depth(self.model, self._all_layers, self._layer_types)
+        try:
+            yield self
+        finally:
+            _set_depth(self.model, kept, self._layer_types)
 
     @property
     def device(self) -> torch.device:

@@ -27,7 +27,9 @@ class MetricsLogger:
         return (
             f"step {step}/{self.total_steps} loss {m['loss']:.4f} acc1 {m['acc_slot1']:.3f} "
             f"acc {m['acc_mean']:.3f} lr {m['lr']:.2e} ctx {m['ctx_tok_s']:.0f} tok/s "
-            f"draft {m['draft_pos_s']:.0f} pos/s eta {eta:.0f}s"
+            f"draft {m['draft_pos_s']:.0f} pos/s mfu {100 * m.get('mfu', 0):.1f}% "
+            f"mem {m.get('mem_gib', 0):.1f}GiB eta {eta:.0f}s"
+            + (f" tau {m['tau']:.2f}" if "tau" in m else "")
         )
 
     def log(self, m: dict) -> None:

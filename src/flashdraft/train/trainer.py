@@ -42,6 +42,7 @@ from flashdraft.train.compile import (
     use_cache_dir,
     warm_up,
 )
+from flashdraft.train.flops import matmul_tflops, step_flops
 from flashdraft.train.metrics import MetricsLogger
 from flashdraft.train.state import load_trainer_state, trainer_state_writer
 from flashdraft.train.step import micro_step_loss, plan_micro_batch, target_features
@@ -215,9 +216,19 @@ def build_trainer(
         )
     total_steps = cfg.max_steps or len(stream) // per_step
     drafter = build_drafter(cfg, model, tokenizer, topo.device)
-    return Trainer(
-        cfg, model, drafter, stream, total_steps, topo, out_dir, {"target": str(target_path)}, resume
-    )
+    if cfg.eval_every and topo.layout.kind == "split":
+        raise ValueError("eval_every needs the whole target on the drafter rank: use the colocated layout")
+    meta = {"target": str(target_path)}
+    trainer = Trainer(cfg, model, drafter, stream, total_steps, topo, out_dir, meta, resume)
+    if s3_url and topo.is_main:
+        from flashdraft.run.s3 import S3Mirror
+
+        trainer.mirror = S3Mirror(s3_url)
+    if cfg.eval_every and topo.is_main:
+        from flashdraft.eval.spec import read_prompts
+
+        trainer.tau_probe = (tokenizer, read_prompts(cfg.eval_prompts, limit=cfg.eval_num_prompts))
+    return trainer
 
 
 class Trainer:
@@ -271,8 +282,22 @@ class Trainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda s: cosine_lr(s, total_steps, warmup, cfg.optim.min_lr_ratio)
         )
+        self.flops_per_micro = (
+            step_flops(
+                model.config,
+                drafter.config,
+                max(drafter.target_layer_ids) + 1,
+                cfg.data.seq_len,
+                cfg.num_anchors * drafter.block_size,
+                cfg.num_anchors * (drafter.block_size - 1),
+            )["total"]
+            * cfg.data.rows_per_batch
+        )
+        self.peak_tflops: float | None = None  # measured at the start of run() on the main rank
         self.step = 0
         self.mirror = None
+        self.tau_probe = None  # (tokenizer, prompts) on the main rank when eval_every is set
+        self.pending_tau: dict = {}
         self.last_metrics: dict = {}
         self.artifacts_loaded = False
         self.remote = None
@@ -427,8 +452,9 @@ class Trainer:
             save_config(cfg, self.out / "config.yaml", extra={**self.meta, "layout": str(self.topo.layout)})
             write_fingerprint(self.out / ENV_FILE, self._fingerprint_extra())
             log = MetricsLogger(self.out, total_steps=self.total_steps)
+            self.peak_tflops = matmul_tflops(self.device)
         first = last = float("nan")
-        window_tokens, window_wait = 0, 0.0
+        window_tokens, window_wait, steps_in_window = 0, 0.0, 0
         window_positions = torch.zeros((), device=self.device)
         window_start = time.perf_counter()
         while self.step < self.total_steps:
@@ -436,31 +462,40 @@ class Trainer:
             step = self.step
             window_tokens += stats.ctx_tokens
             window_positions += stats.draft_positions
+            steps_in_window += 1
             if step == 1:
                 first = float(self._all_reduce(stats.loss_sum.clone()) / stats.weight_sum)
+            if self.tau_probe is not None and (step % cfg.eval_every == 0 or step == self.total_steps):
+                self.pending_tau = self.measure_tau()
             if step % cfg.log_every == 0 or step == self.total_steps:
                 self._reduce_stats(stats)
                 totals = torch.stack([window_positions, window_positions.new_tensor(float(window_tokens))])
                 positions, tokens = self._all_reduce(totals).tolist()
                 elapsed = max(time.perf_counter() - window_start, 1e-9)
                 m = stats.to_metrics()
+                micro = cfg.grad_accum * self.topo.num_drafters * steps_in_window
+                achieved = self.flops_per_micro * micro / elapsed / 1e12
                 m.update(
                     step=step,
                     lr=self.scheduler.get_last_lr()[0],
                     ctx_tok_s=tokens / elapsed,
                     draft_pos_s=positions / elapsed,
+                    mfu=achieved / ((self.peak_tflops or 1.0) * self.topo.world_size),
+                    mem_gib=torch.cuda.max_memory_allocated() / 2**30 if self.device.type == "cuda" else 0.0,
                 )
                 if self.remote is not None:
                     m["drafter_busy"] = 1 - (self.remote.wait_s - window_wait) / elapsed
                     m["target_busy"] = self.remote.target_busy
                     window_wait = self.remote.wait_s
+                m.update(self.pending_tau)
+                self.pending_tau = {}
                 last = m["loss"]
                 self.last_metrics = m
                 if main:
                     log.log(m)
                     if progress is not None:
                         progress(step, self.total_steps, m["loss"])
-                window_tokens = 0
+                window_tokens = steps_in_window = 0
                 window_positions = torch.zeros((), device=self.device)
                 window_start = time.perf_counter()
             if cfg.save_every and step % cfg.save_every == 0 and step != self.total_steps:
@@ -476,6 +511,17 @@ class Trainer:
                 if not self.mirror.close(timeout=600):
                     print("warning: the S3 mirror did not finish uploading within 10 minutes", flush=True)
         return TrainResult(self.total_steps, last, first, ckpt)
+
+    def measure_tau(self) -> dict:
+        """Greedy speculative decoding against the running target on held-out prompts: the serving
+        acceptance length, watched during training instead of guessed from training accuracy."""
+        from flashdraft.eval.spec import eval_tau
+
+        tokenizer, prompts = self.tau_probe
+        t0 = time.perf_counter()
+        with self.target.full_depth(), self._autocast():
+            tau = eval_tau(self.target, tokenizer, self.drafter, prompts, self.cfg.eval_max_new_tokens)
+        return {"tau": tau, "tau_eval_s": time.perf_counter() - t0}
 
     def _fingerprint_extra(self) -> dict:
         keys = ("step", "ctx_tok_s", "draft_pos_s", "loss")
