@@ -308,11 +308,10 @@ def test_training_mirrors_to_s3_and_resumes_on_a_fresh_machine(
     """`train --s3` uploads checkpoints; `--resume s3://...` into an empty directory continues the run."""
     import json as _json
 
-    from helpers import random_docs
-
     from flashdraft.config import resolve_config
     from flashdraft.data.packing import save_token_dataset
     from flashdraft.train.trainer import build_trainer
+    from helpers import random_docs
 
     new_bucket(server, monkeypatch, "runs")
     save_token_dataset(random_docs([70, 90, 120, 60] * 3, seed=4, prompt_len=10), tmp_path / "data")
