@@ -11,7 +11,9 @@
 from __future__ import annotations
 
 import json
+import sysconfig
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -20,8 +22,61 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, Ti
 
 from flashdraft.demo.tiny import build_tiny_target, build_tokenizer, save_target, stdlib_files
 
-PROMPT_TOKENS = 48
-RESPONSE_TOKENS = 64
+
+@dataclass(frozen=True)
+class Scale:
+    """Everything that differs between the CPU demo and the H200 proof of the same pipeline."""
+
+    device: str = "cpu"
+    vocab_size: int = 1024
+    target: dict = field(default_factory=lambda: dict(hidden=128, layers=6, heads=4, kv_heads=2))
+    target_batch: int = 16
+    target_lr: float = 3e-3
+    prompt_tokens: int = 48
+    response_tokens: int = 64
+    conversations: int = 960
+    regen_batch: int = 64
+    drafter: dict = field(default_factory=lambda: {"drafter.num_layers": 2, "drafter.num_taps": 2})
+    preset: str = "tiny_cpu"
+    drafter_step_s: float = 0.15  # to turn the time budget into a step count
+    eval_prompts: int = 24
+    target_share: float = 0.3  # of the time budget
+    drafter_share: float = 0.5  # of the time left after the data step
+    source_bytes: int | None = None  # None: the standard library; else this much installed Python source
+
+
+CPU = Scale()
+H200 = Scale(
+    device="cuda",
+    vocab_size=8192,
+    target=dict(hidden=768, layers=12, heads=12, kv_heads=4),
+    target_batch=64,
+    target_lr=1e-3,
+    prompt_tokens=64,
+    response_tokens=128,
+    conversations=6000,
+    regen_batch=512,
+    drafter={"drafter.num_layers": 3, "drafter.num_taps": 3, "data.seq_len": 2048, "num_anchors": 256},
+    preset="default",
+    drafter_step_s=0.12,
+    eval_prompts=32,
+    target_share=0.4,
+    drafter_share=0.6,
+    source_bytes=60_000_000,
+)
+
+
+def source_files(scale: Scale) -> list[Path]:
+    if scale.source_bytes is None:
+        return stdlib_files()
+    root = Path(sysconfig.get_paths()["purelib"])
+    files, total = [], 0
+    for path in sorted(root.rglob("*.py")):
+        size = path.stat().st_size
+        if size > 2000 and total < scale.source_bytes:
+            files.append(path)
+            total += size
+    return files
 
 
 def code_windows(texts: list[str], tokenizer, prompt_tokens: int, response_tokens: int) -> list[dict]:
@@ -48,8 +103,9 @@ def chat(prompt: str, response: str | None = None) -> list[dict]:
     return messages
 
 
-def pretrain_target(model, tokenizer, pairs: list[dict], seconds: float, progress, task, seq_len: int = 128):
-    """Causal-LM training of the tiny target on chat-rendered windows, for a time budget."""
+def pretrain_target(model, tokenizer, pairs: list[dict], seconds: float, progress, task, scale: Scale = CPU):
+    """Causal-LM training of the target on chat-rendered windows, for a time budget."""
+    seq_len = scale.prompt_tokens + scale.response_tokens + 16
     texts = [tokenizer.apply_chat_template(chat(p["prompt"], p["response"]), tokenize=False) for p in pairs]
     enc = [tokenizer(t, add_special_tokens=False)["input_ids"][:seq_len] for t in texts]
     ids = torch.full((len(enc), seq_len), tokenizer.pad_token_id)
@@ -57,16 +113,19 @@ def pretrain_target(model, tokenizer, pairs: list[dict], seconds: float, progres
     for i, e in enumerate(enc):
         ids[i, : len(e)] = torch.tensor(e)
         labels[i, : len(e)] = torch.tensor(e)
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
+    device = torch.device(scale.device)
+    model.to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=scale.target_lr, weight_decay=0.01)
     g = torch.Generator().manual_seed(0)
     model.train()
     start, step, loss = time.time(), 0, float("nan")
     while time.time() - start < seconds:
         frac = (time.time() - start) / seconds
         for group in opt.param_groups:
-            group["lr"] = 3e-3 * min(1.0, (step + 1) / 20) * max(0.05, 1 - frac)
-        idx = torch.randint(0, len(enc), (16,), generator=g)
-        out = model(input_ids=ids[idx], labels=labels[idx])
+            group["lr"] = scale.target_lr * min(1.0, (step + 1) / 20) * max(0.05, 1 - frac)
+        idx = torch.randint(0, len(enc), (scale.target_batch,), generator=g)
+        with torch.autocast(device.type, torch.bfloat16, enabled=device.type == "cuda"):
+            out = model(input_ids=ids[idx].to(device), labels=labels[idx].to(device))
         out.loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
@@ -76,11 +135,15 @@ def pretrain_target(model, tokenizer, pairs: list[dict], seconds: float, progres
         progress.update(
             task, completed=min(seconds, time.time() - start), description=f"target loss {loss:.3f}"
         )
-    model.eval()
+    model.eval().to("cpu")
     return step, loss
 
 
 def run_demo(out: Path, budget_minutes: float = 8.0) -> dict:
+    return run_pipeline(out, budget_minutes, CPU)
+
+
+def run_pipeline(out: Path, budget_minutes: float, scale: Scale) -> dict:
     from flashdraft.config import resolve_config
     from flashdraft.data.prepare import PrepareOptions, prepare_dataset
     from flashdraft.data.regenerate import LocalBackend, regenerate_file
@@ -93,45 +156,53 @@ def run_demo(out: Path, budget_minutes: float = 8.0) -> dict:
     torch.manual_seed(0)
     t_start = time.time()
     budget = 60 * budget_minutes
-    files = stdlib_files()
+    files = source_files(scale)
     held_out = files[::10]
     train_files = [f for f in files if f not in set(held_out)]
     train_texts = [f.read_text(errors="replace") for f in train_files]
 
-    console.print(f"[bold]flashdraft demo[/] -> {out} ({len(train_files)} stdlib files for training)")
-    tokenizer = build_tokenizer(train_texts, vocab_size=1024)
-    pairs = code_windows(train_texts, tokenizer, PROMPT_TOKENS, RESPONSE_TOKENS)
-    target = build_tiny_target(tokenizer, hidden=128, layers=6, heads=4, kv_heads=2)
+    console.print(f"[bold]flashdraft[/] -> {out} ({len(train_files)} Python source files for training)")
+    tokenizer = build_tokenizer(train_texts, vocab_size=scale.vocab_size)
+    pairs = code_windows(train_texts, tokenizer, scale.prompt_tokens, scale.response_tokens)
+    target = build_tiny_target(tokenizer, **scale.target)
 
     columns = [TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(), TimeRemainingColumn()]
     with Progress(*columns, console=console) as progress:
-        task = progress.add_task("target", total=0.3 * budget)
-        steps, target_loss = pretrain_target(target, tokenizer, pairs, 0.3 * budget, progress, task)
+        seconds = scale.target_share * budget
+        task = progress.add_task("target", total=seconds)
+        steps_target, target_loss = pretrain_target(target, tokenizer, pairs, seconds, progress, task, scale)
     target_dir = save_target(target, tokenizer, out / "target")
-    console.print(f"target: {sum(p.numel() for p in target.parameters()) / 1e6:.1f}M params, {steps} steps, "
-                  f"loss {target_loss:.3f} -> {target_dir}")  # fmt: skip
+    n_params = sum(p.numel() for p in target.parameters())
+    console.print(f"target: {n_params / 1e6:.1f}M params, {steps_target} steps, loss {target_loss:.3f}")
 
     data_dir = out / "data"
     data_dir.mkdir(parents=True, exist_ok=True)
     g = torch.Generator().manual_seed(1)
-    picks = torch.randperm(len(pairs), generator=g)[:320].tolist()
+    picks = torch.randperm(len(pairs), generator=g)[: scale.conversations].tolist()
     source = data_dir / "conversations.jsonl"
     with open(source, "w") as f:
         for i in picks:
             record = {"id": f"demo-{i}", "messages": chat(pairs[i]["prompt"], pairs[i]["response"])}
             f.write(json.dumps(record) + "\n")
     regenerated = data_dir / "regenerated.jsonl"
-    backend = LocalBackend(target, tokenizer, max_new_tokens=RESPONSE_TOKENS, temperature=0.0, batch_size=32)
+    target.to(scale.device)
+    backend = LocalBackend(
+        target, tokenizer, max_new_tokens=scale.response_tokens, temperature=0.0, batch_size=scale.regen_batch
+    )
     with console.status("the target rewrites the assistant turns (greedy): flashdraft data regenerate"):
         regenerate_file(backend, str(source), regenerated, progress=False)
-    options = PrepareOptions(max_length=256, cache_dir=out / "cache")
+    target.to("cpu")
+    options = PrepareOptions(
+        max_length=4 * (scale.prompt_tokens + scale.response_tokens), cache_dir=out / "cache"
+    )
     stats = prepare_dataset(str(regenerated), tokenizer, data_dir, options)
     console.print(f"data: {stats['kept']} conversations, {stats['loss_tokens']} loss tokens -> {data_dir}")
 
-    cfg = resolve_config("tiny_cpu", **{"drafter.num_layers": 2, "drafter.num_taps": 2, "log_every": 10})
-    trainer = build_trainer(cfg, str(target_dir), str(data_dir), str(out / "run"), device="cpu")
+    # about half of the time left trains the drafter (a step takes ~0.15 s on 2 cores); eval follows
     remaining = budget - (time.time() - t_start)
-    trainer.total_steps = min(trainer.total_steps, max(20, int(0.45 * remaining / 0.5)))
+    steps = max(50, int(scale.drafter_share * remaining / scale.drafter_step_s))
+    cfg = resolve_config(scale.preset, **scale.drafter, log_every=25, max_steps=steps)
+    trainer = build_trainer(cfg, str(target_dir), str(data_dir), str(out / "run"), device=scale.device)
     with Progress(*columns, console=console) as progress:
         task = progress.add_task("drafter", total=trainer.total_steps)
         result = trainer.run(
@@ -142,16 +213,19 @@ def run_demo(out: Path, budget_minutes: float = 8.0) -> dict:
     console.print(f"drafter: loss {result.first_loss:.3f} -> {result.final_loss:.3f} in {result.steps} steps")
 
     held_texts = [f.read_text(errors="replace") for f in held_out]
-    eval_pairs = code_windows(held_texts, tokenizer, PROMPT_TOKENS, RESPONSE_TOKENS)[:24]
+    eval_pairs = code_windows(held_texts, tokenizer, scale.prompt_tokens, scale.response_tokens)
+    eval_pairs = eval_pairs[:: max(1, len(eval_pairs) // scale.eval_prompts)][: scale.eval_prompts]
     prompts = [chat(p["prompt"]) for p in eval_pairs]
     with console.status("speculative decoding on held-out prompts"):
         report = compare_methods(
-            target_dir, result.checkpoint, prompts, max_new_tokens=RESPONSE_TOKENS, device="cpu"
+            target_dir, result.checkpoint, prompts, max_new_tokens=scale.response_tokens, device=scale.device
         )
     write_report(report, out / "eval" / "report.json")
     print_table(report, console)
     summary = {
         "wall_s": round(time.time() - t_start, 1),
+        "target_params": n_params,
+        "target_steps": steps_target,
         "target_loss": target_loss,
         "drafter_first_loss": result.first_loss,
         "drafter_final_loss": result.final_loss,
