@@ -67,7 +67,7 @@ def _print_changes(source: Path, recorded: dict, changes: list) -> None:
     from rich.table import Table
 
     console = Console()
-    console.print(f"recorded {recorded.get('created', '(time unknown)')} in {source}")
+    console.print(f"recorded {recorded.get('created', '(time unknown)')} in {source}", soft_wrap=True)
     if changes:
         table = Table(title="what changed since (most likely to break a run first)")
         for column in ("rank", "group", "key", "then", "now"):
