@@ -1,5 +1,7 @@
 """--resume continues a run bit for bit, and refuses a run it cannot continue."""
 
+import json
+
 import pytest
 import torch
 
@@ -59,3 +61,44 @@ def test_resume_refuses_a_changed_model_or_data_stream(tmp_path, tiny_target_dir
 def test_resume_without_a_checkpoint_is_an_error(tmp_path, tiny_target_dir, data_dir):
     with pytest.raises(ValueError, match="no complete checkpoint"):
         build_trainer(_cfg(), tiny_target_dir, data_dir, tmp_path / "empty", device="cpu", resume=True)
+
+
+def _poison(trainer, steps: set[int]):
+    """Make the target's features NaN at the given steps (1-based), as a corrupt batch would."""
+    features = trainer.target.features
+
+    def poisoned(*args, **kwargs):
+        out = features(*args, **kwargs)
+        return out * float("nan") if trainer.step + 1 in steps else out
+
+    trainer.target.features = poisoned
+
+
+def test_non_finite_steps_are_skipped_and_a_run_of_them_stops_at_the_last_good_state(
+    tmp_path, tiny_target_dir, data_dir
+):
+    from flashdraft.train.trainer import NonFiniteError
+
+    skip = build_trainer(_cfg(log_every=1), tiny_target_dir, data_dir, tmp_path / "skip", device="cpu")
+    _poison(skip, {3, 4})
+    skip.run()
+    lines = [json.loads(x) for x in (tmp_path / "skip" / "metrics.jsonl").read_text().splitlines()]
+    assert [m["skipped_steps"] for m in lines] == [0, 0, 1, 2, 2, 2]
+    assert all(torch.isfinite(p).all() for p in skip.drafter.parameters())
+
+    reference = build_trainer(
+        _cfg(log_every=1, max_bad_steps=2), tiny_target_dir, data_dir, tmp_path / "stop", device="cpu"
+    )
+    for _ in range(2):  # the two good steps, computed on their own
+        reference.train_step()
+    good = {k: v.clone() for k, v in reference.drafter.state_dict().items()}
+    stop2 = build_trainer(
+        _cfg(log_every=1, max_bad_steps=2), tiny_target_dir, data_dir, tmp_path / "stop2", device="cpu"
+    )
+    _poison(stop2, {3, 4, 5, 6})
+    with pytest.raises(NonFiniteError, match="2 consecutive steps up to step 4"):
+        stop2.run()
+    saved = torch.load(
+        tmp_path / "stop2" / "checkpoints" / "step_000004" / "trainer_state.pt", weights_only=True
+    )
+    assert all(torch.equal(saved["master"][k], good[k]) for k in good)

@@ -85,6 +85,10 @@ def cosine_lr(step: int, total: int, warmup: int, min_ratio: float) -> float:
     return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
 
 
+class NonFiniteError(RuntimeError):
+    pass
+
+
 @dataclass
 class StepStats:
     """What one step measured, kept on the device until a log step reads it."""
@@ -276,7 +280,7 @@ class Trainer:
             lr=cfg.optim.lr,
             betas=cfg.optim.betas,
             weight_decay=cfg.optim.weight_decay,
-            fused=self.device.type == "cuda",
+            fused=True,  # fused AdamW skips a step on device when found_inf is set
         )
         warmup = round(cfg.optim.warmup_ratio * total_steps)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -295,6 +299,8 @@ class Trainer:
         )
         self.peak_tflops: float | None = None  # measured at the start of run() on the main rank
         self.step = 0
+        self.bad_run = torch.zeros((), dtype=torch.long, device=self.device)  # consecutive skipped steps
+        self.skipped = torch.zeros((), dtype=torch.long, device=self.device)
         self.mirror = None
         self.tau_probe = None  # (tokenizer, prompts) on the main rank when eval_every is set
         self.pending_tau: dict = {}
@@ -396,6 +402,12 @@ class Trainer:
             stats.add(out, mb)
         with timer("optimizer"):
             stats.grad_norm = torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), cfg.optim.grad_clip)
+            # a non-finite loss or gradient skips the update on the device, with no host sync;
+            # the host reads the count at log and save steps
+            bad = ~torch.isfinite(stats.grad_norm)
+            self.optimizer.found_inf = bad.float()
+            self.bad_run = (self.bad_run + 1) * bad
+            self.skipped += bad
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
             self.scheduler.step()
@@ -473,6 +485,7 @@ class Trainer:
                 positions, tokens = self._all_reduce(totals).tolist()
                 elapsed = max(time.perf_counter() - window_start, 1e-9)
                 m = stats.to_metrics()
+                m["skipped_steps"] = int(self.skipped)
                 micro = cfg.grad_accum * self.topo.num_drafters * steps_in_window
                 achieved = self.flops_per_micro * micro / elapsed / 1e12
                 m.update(
@@ -498,7 +511,10 @@ class Trainer:
                 window_tokens = steps_in_window = 0
                 window_positions = torch.zeros((), device=self.device)
                 window_start = time.perf_counter()
-            if cfg.save_every and step % cfg.save_every == 0 and step != self.total_steps:
+            saving = cfg.save_every and step % cfg.save_every == 0 and step != self.total_steps
+            if saving or step % cfg.log_every == 0:
+                self._check_finite()
+            if saving:
                 self.save()
         ckpt = self.save()
         if main:
@@ -511,6 +527,18 @@ class Trainer:
                 if not self.mirror.close(timeout=600):
                     print("warning: the S3 mirror did not finish uploading within 10 minutes", flush=True)
         return TrainResult(self.total_steps, last, first, ckpt)
+
+    def _check_finite(self) -> None:
+        """Stop after `max_bad_steps` consecutive non-finite steps, saving the last good state (skipped
+        steps change neither weights nor optimizer state, so the current state is the last good one)."""
+        run = int(self._all_reduce(self.bad_run.clone()))
+        if run >= self.cfg.max_bad_steps:
+            path = self.save()
+            raise NonFiniteError(
+                f"{run} consecutive steps up to step {self.step} had a non-finite loss or gradient and "
+                f"were skipped; stopped. The last good weights are saved in {path}. Lower optim.lr or "
+                "check the data."
+            )
 
     def measure_tau(self) -> dict:
         """Greedy speculative decoding against the running target on held-out prompts: the serving
