@@ -157,3 +157,27 @@ def test_structured_block_mask_equals_create_block_mask(seed):
         ref.full_kv_num_blocks, ref.full_kv_indices
     )
     assert any(any(row) for row in tiles(mine.full_kv_num_blocks, mine.full_kv_indices))  # full tiles exist
+
+
+def test_the_anchor_budget_is_per_document():
+    batch = packed_batch([[200, 40, 40]], seq_len=280)
+    g = torch.Generator().manual_seed(0)
+    capped = sample_anchors(batch.loss_mask, batch.doc_ids, BLOCK, 40, g, per_document=6)
+    docs = batch.doc_ids[0, capped.index[0][capped.valid[0]]]
+    counts = torch.bincount(docs, minlength=3).tolist()
+    assert counts == [6, 6, 6]  # each document its own budget, the long one no more
+    uncapped = sample_anchors(batch.loss_mask, batch.doc_ids, BLOCK, 40, torch.Generator().manual_seed(0))
+    assert torch.bincount(batch.doc_ids[0, uncapped.index[0][uncapped.valid[0]]])[0] > 6
+
+
+def test_packing_keeps_documents_whole_and_in_order():
+    from flashdraft.data.packing import pack_documents
+
+    lengths = [50, 100, 30, 200, 300, 10, 128]
+    rows = pack_documents(lengths, 256, order=list(range(7)))
+    assert sorted(i for row in rows for i in row) == list(range(7))  # every document exactly once
+    assert all(sum(min(lengths[i], 256) for i in row) <= 256 for row in rows)  # never split: it fits
+    assert rows == [[0, 1, 2], [3], [4], [5, 6]]
+    batch = packed_batch([[50, 100, 30]], seq_len=256)
+    assert batch.doc_ids[0, :180].unique().tolist() == [0, 1, 2] and (batch.doc_ids[0, 180:] == -1).all()
+    assert batch.position_ids[0, 50] == 0 and batch.position_ids[0, 149] == 99  # positions restart

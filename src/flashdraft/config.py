@@ -48,6 +48,7 @@ class TrainConfig(_Strict):
     data: DataSpec = DataSpec()
     optim: OptimSpec = OptimSpec()
     num_anchors: int = Field(512, ge=1, description="anchors sampled per row")
+    anchors_per_document: int | None = Field(None, ge=1, description="cap of anchors in one packed document")
     gamma: float | None = Field(None, gt=0, description="slot weight decay; by block size when unset")
     epochs: int = Field(6, ge=1)
     max_steps: int | None = Field(None, ge=1, description="stop after this many optimizer steps")

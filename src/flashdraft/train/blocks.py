@@ -58,11 +58,14 @@ def sample_anchors(
     block_size: int,
     num_anchors: int,
     generator: torch.Generator | list[torch.Generator] | None = None,
+    per_document: int | None = None,
 ) -> Anchors:
     """Up to `num_anchors` distinct candidate positions per row, uniformly at random, sorted.
 
     Rows with fewer candidates get padding blocks (valid False, index 0). `generator` may be one
     CPU generator for the batch or one per row (then a row's anchors do not depend on its batch).
+    per_document: at most this many anchors in any one packed document (the budget a document
+    would have had alone), so a long document does not take a row's whole budget.
     """
     cand = anchor_candidates(loss_mask, doc_ids, block_size)
     b, s = cand.shape
@@ -73,6 +76,8 @@ def sample_anchors(
     else:
         scores = torch.rand(b, s, generator=generator)
     scores = scores.to(cand.device).masked_fill(~cand, 2.0)
+    if per_document is not None:
+        scores = scores.masked_fill(_rank_in_document(scores, doc_ids) >= per_document, 2.0)
     chosen_scores, idx = scores.topk(n, dim=1, largest=False)
     valid = chosen_scores < 2.0
     idx = idx.masked_fill(~valid, s)
@@ -84,6 +89,15 @@ def sample_anchors(
         idx = torch.cat([idx, idx.new_zeros(b, pad)], 1)
         valid = torch.cat([valid, valid.new_zeros(b, pad)], 1)
     return Anchors(idx, valid)
+
+
+def _rank_in_document(scores: torch.Tensor, doc_ids: torch.Tensor) -> torch.Tensor:
+    """[b, S]: how many positions of the same document have a lower score (0 = the document's best)."""
+    order = scores.argsort(dim=1)
+    docs = doc_ids.gather(1, order).clamp(min=0)
+    onehot = torch.nn.functional.one_hot(docs, int(docs.max()) + 1)
+    rank_sorted = ((onehot.cumsum(1) - 1) * onehot).sum(-1)
+    return torch.empty_like(rank_sorted).scatter_(1, order, rank_sorted)
 
 
 def row_generators(seed: int, micro_index: int, rows: int) -> list[torch.Generator]:

@@ -25,6 +25,7 @@ _FIXED = [
     "data.seq_len",
     "data.rows_per_batch",
     "num_anchors",
+    "anchors_per_document",
     "gamma",
     "seed",
     "epochs",

@@ -38,8 +38,9 @@ def plan_micro_batch(
     gamma: float,
     generator: torch.Generator | list[torch.Generator],
     features: torch.Tensor | None = None,
+    per_document: int | None = None,
 ) -> MicroBatch:
-    anchors = sample_anchors(batch.loss_mask, batch.doc_ids, block_size, num_anchors, generator)
+    anchors = sample_anchors(batch.loss_mask, batch.doc_ids, block_size, num_anchors, generator, per_document)
     blocks = make_blocks(
         batch.input_ids, batch.loss_mask, batch.position_ids, anchors, block_size, mask_token_id, gamma
     )

@@ -358,6 +358,7 @@ class Trainer:
             self.gamma,
             row_generators(self.cfg.seed, m, batch.input_ids.shape[0]),
             features=feats,
+            per_document=self.cfg.anchors_per_document,
         )
         return mb, ctx_tokens
 
