@@ -1,5 +1,7 @@
 """Compiled training: warm-up, persistent cache, and a recompile after warm-up is an error."""
 
+import os
+
 import pytest
 import torch
 
@@ -12,7 +14,9 @@ from helpers import random_docs
 pytestmark = pytest.mark.slow
 
 
-def test_a_recompile_after_warm_up_stops_the_run_with_a_clear_message(tmp_path, tiny_target_dir):
+def test_a_recompile_after_warm_up_stops_the_run_with_a_clear_message(tmp_path, tiny_target_dir, monkeypatch):
+    # the trainer points inductor at its cache through the environment: keep that inside this test
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", os.environ.get("TORCHINDUCTOR_CACHE_DIR", ""))
     save_token_dataset(random_docs([70, 90, 120, 60] * 2, seed=1, prompt_len=10), tmp_path / "data")
     over = {"data.seq_len": 128, "data.rows_per_batch": 2, "num_anchors": 8, "max_steps": 4, "compile": True}
     over.update({"drafter.num_layers": 1, "drafter.num_taps": 2})

@@ -16,7 +16,7 @@ from helpers import random_docs
 
 pytestmark = pytest.mark.slow
 
-STEPS = 12
+STEPS = 16
 CONFIG = """
 data: {seq_len: 128, rows_per_batch: 2}
 num_anchors: 8
@@ -72,7 +72,7 @@ def test_runs_killed_at_random_moments_resume_to_the_uninterrupted_result(tmp_pa
         start = _logged_steps(run)
         while proc.poll() is None and _logged_steps(run) <= start:
             time.sleep(0.05)
-        time.sleep(rng.uniform(0.0, 1.0))
+        time.sleep(rng.uniform(0.0, 0.4))
         if proc.poll() is None:
             os.kill(proc.pid, signal.SIGKILL)
             proc.wait()

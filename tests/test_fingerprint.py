@@ -170,10 +170,13 @@ def write_run(run: Path, checkpoint_fp: dict | None, run_fp: dict | None) -> Non
         (run / "env.json").write_text(json.dumps(run_fp))
 
 
-def test_doctor_run_shows_ranked_changes_of_the_latest_checkpoint_and_its_throughput(
-    current, tmp_path, monkeypatch
-):
+def test_doctor_run_shows_ranked_changes_of_the_latest_checkpoint_and_its_throughput(tmp_path, monkeypatch):
     monkeypatch.setenv("COLUMNS", "200")
+    cache = tmp_path / "inductor"  # a cache nothing else writes to while the test runs
+    cache.mkdir()
+    (cache / "entry").write_bytes(b"x" * 100)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(cache))
+    current = fingerprint()
     write_run(tmp_path / "run", fabricated_old(current, tmp_path), run_fp={"created": "run start"})
     result = invoke_doctor(str(tmp_path / "run"))
     assert result.exit_code == 0, result.output
