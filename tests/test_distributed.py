@@ -67,3 +67,21 @@ def test_a_layout_that_does_not_fit_the_world_is_refused(tmp_path, tiny_target_d
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert "split:2:2 needs 4 processes" in proc.stderr
+
+
+def test_plan_prints_roles_memory_and_balance_without_loading_weights(tmp_path):
+    from typer.testing import CliRunner
+
+    from flashdraft.bench import shape_config
+    from flashdraft.cli.main import app
+
+    shape_config("qwen3-8b").save_pretrained(tmp_path / "qwen3-8b")  # config only, no weights
+    args = ["train", "--target", str(tmp_path / "qwen3-8b"), "--data", "unused", "--out", "unused", "--plan"]
+    result = CliRunner().invoke(
+        app, [*args, "--nproc", "8", "--layout", "split:5:3", "--preset", "qwen3_8b_h200"]
+    )
+    assert result.exit_code == 0, result.output
+    assert "rank 4: target" in result.output and "rank 5: drafter" in result.output
+    # 43 TFLOP of target work over 5 ranks against 72 of drafter work over 3: targets idle 2/3 of the time
+    assert "target ranks 36%, drafter ranks 100%" in result.output
+    assert not (tmp_path / "unused").exists()

@@ -43,12 +43,18 @@ def train(
     ),
     eval_prompts: Path | None = typer.Option(None, help="held-out prompts (JSONL) for tau during training"),
     eval_every: int | None = typer.Option(None, help="measure tau every N steps (needs --eval-prompts)"),
+    plan: bool = typer.Option(
+        False, "--plan", help="print layout, memory per rank and balance; do not train"
+    ),
 ) -> None:
     """Online training: the frozen target computes features each step, the drafter learns from them.
 
     Multi-GPU: `--nproc N`, or under torchrun (one process per GPU; multi-node through torchrun's
     rendezvous with no other change).
     """
+    if plan:
+        _print_plan(preset, config, target, layout, nproc or int(os.environ.get("WORLD_SIZE", "1")))
+        return
     if nproc is not None and "LOCAL_RANK" not in os.environ:
         _launch(nproc)
         return
@@ -82,6 +88,20 @@ def train(
             f"checkpoint {result.checkpoint}"
         )
     trainer.topo.close()
+
+
+def _print_plan(preset: str, config: Path | None, target: str, layout: str, world: int) -> None:
+    from transformers import AutoConfig
+
+    from flashdraft.config import resolve_config
+    from flashdraft.dist.plan import make_plan
+
+    try:
+        cfg = resolve_config(preset, config)
+        plan = make_plan(cfg, AutoConfig.from_pretrained(target), layout, world)
+    except (ValueError, OSError) as e:
+        _fail(str(e))
+    typer.echo("\n".join(plan.lines()))
 
 
 def _launch(nproc: int) -> None:

@@ -1,0 +1,84 @@
+"""`flashdraft train --plan`: the layout, each rank's memory and the expected target/drafter balance,
+printed before anything is loaded (the target's config only, no weights).
+
+Memory per rank: target weights (bf16, up to the last tapped layer) on target ranks; on drafter
+ranks the drafter's fp32 weights, gradients and two AdamW moments (16 bytes a parameter) plus the
+target's embedding and lm_head. Balance: model FLOPs of one micro-batch on each side, divided by
+the ranks of that side; the slower side sets the pace and the other side idles by the difference.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from flashdraft.config import TrainConfig
+from flashdraft.dist.topology import Layout
+from flashdraft.model.drafter import drafter_config
+from flashdraft.train.flops import step_flops
+
+
+@dataclass
+class Plan:
+    layout: str
+    world_size: int
+    roles: list[str]
+    target_gib: float
+    drafter_gib: float
+    target_tflop_per_micro: float
+    drafter_tflop_per_micro: float
+    target_share: float  # relative work per target rank / per drafter rank (1.0 = balanced)
+
+    def lines(self) -> list[str]:
+        out = [f"layout {self.layout} on {self.world_size} process(es)"]
+        out += [f"  rank {r}: {role}" for r, role in enumerate(self.roles)]
+        out.append(f"memory: target ranks ~{self.target_gib:.1f} GiB of weights, drafter ranks ~{self.drafter_gib:.1f} GiB")
+        out.append(
+            f"work per micro-batch: target {self.target_tflop_per_micro:.1f} TFLOP, "
+            f"drafter {self.drafter_tflop_per_micro:.1f} TFLOP"
+        )
+        if self.layout.startswith("split"):
+            busy_t = min(1.0, self.target_share)
+            busy_d = min(1.0, 1 / self.target_share)
+            out.append(f"expected busy fraction: target ranks {busy_t:.0%}, drafter ranks {busy_d:.0%}")
+        return out
+
+
+def make_plan(cfg: TrainConfig, target_config, layout: str, world_size: int) -> Plan:
+    lay = Layout.parse(layout, world_size)
+    spec = cfg.drafter
+    dcfg = drafter_config(
+        target_config, spec.num_layers, spec.target_layer_ids, spec.num_taps, spec.block_size, 0,
+        spec.intermediate_size,
+    )  # fmt: skip
+    kept = max(dcfg.target_layer_ids) + 1
+    t = target_config
+    head_params = 2 * t.vocab_size * t.hidden_size
+    layer_params = _params_per_layer(t)
+    drafter_params = _params_per_layer(dcfg) * dcfg.num_hidden_layers + len(dcfg.target_layer_ids) * t.hidden_size**2
+    b = cfg.data.rows_per_batch
+    flops = step_flops(
+        t, dcfg, kept, cfg.data.seq_len, cfg.num_anchors * spec.block_size, cfg.num_anchors * (spec.block_size - 1)
+    )
+    target_tf, drafter_tf = b * flops["target"] / 1e12, b * flops["drafter"] / 1e12
+    if lay.kind == "colocated":
+        roles = ["target + drafter"] * world_size
+        share = 1.0
+    else:
+        roles = ["target"] * lay.targets + ["drafter"] * lay.drafters
+        share = (target_tf / lay.targets) / (drafter_tf / lay.drafters)
+    gib = 2**30
+    return Plan(
+        layout=str(lay),
+        world_size=world_size,
+        roles=roles,
+        target_gib=(kept * layer_params + head_params) * 2 / gib,
+        drafter_gib=(16 * drafter_params + 2 * head_params) / gib,
+        target_tflop_per_micro=target_tf,
+        drafter_tflop_per_micro=drafter_tf,
+        target_share=share,
+    )
+
+
+def _params_per_layer(c) -> int:
+    d, hd = c.hidden_size, c.head_dim
+    return d * hd * (2 * c.num_attention_heads + 2 * c.num_key_value_heads) + 3 * d * c.intermediate_size
