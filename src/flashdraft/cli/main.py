@@ -81,7 +81,7 @@ def train(
         )
     except (ValueError, FileNotFoundError) as e:
         _fail(str(e))
-    result = trainer.run(progress=_print_progress(cfg.log_every))
+    result = _run_with_progress(trainer, cfg.log_every)
     if result is not None and trainer.topo.is_main:
         typer.echo(
             f"done: {result.steps} steps, loss {result.first_loss:.4f} -> {result.final_loss:.4f}; "
@@ -123,10 +123,24 @@ def _launch(nproc: int) -> None:
     torchrun(["--standalone", f"--nproc-per-node={nproc}", "-m", "flashdraft.cli.main", *cleaned])
 
 
+def _run_with_progress(trainer, every: int):
+    """A rich progress bar on an interactive terminal (main rank), plain lines otherwise."""
+    if not (sys.stderr.isatty() and trainer.topo.is_main):
+        return trainer.run(progress=_print_progress(every))
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn()]
+    with Progress(*columns, transient=False) as bar:
+        task = bar.add_task("training", total=trainer.total_steps, completed=trainer.step)
+        return trainer.run(
+            progress=lambda s, n, loss: bar.update(task, completed=s, description=f"loss {loss:.4f}")
+        )
+
+
 def _print_progress(every: int):
     def show(step: int, total: int, loss: float) -> None:
         if step % every == 0 or step == total:
-            typer.echo(f"step {step}/{total} loss {loss:.4f}", err=sys.stderr.isatty())
+            typer.echo(f"step {step}/{total} loss {loss:.4f}")
 
     return show
 
