@@ -172,3 +172,36 @@ def test_train_command_rejects_a_bad_config(tmp_path, tiny_target_dir):
     )  # fmt: skip
     assert result.exit_code == 2
     assert "cfg.yaml" in result.output and "lr" in result.output
+
+
+def test_wandb_logging_is_offline_unless_configured(tmp_path, monkeypatch):
+    """--wandb goes through wandb's own API, offline by default; the fake records what it was given."""
+    import sys
+    import types
+
+    calls = {}
+
+    class Run:
+        def log(self, data, step):
+            calls.setdefault("log", []).append((step, data))
+
+        def finish(self):
+            calls["finished"] = True
+
+    fake = types.SimpleNamespace(init=lambda **kw: calls.update(init=kw) or Run())
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    from flashdraft.train.metrics import MetricsLogger
+
+    log = MetricsLogger(tmp_path, total_steps=2, tensorboard=False, wandb_config={"seed": 0})
+    m = {"step": 1, "loss": 2.5, "acc_slot1": 0.5, "acc_mean": 0.4, "lr": 1e-3, "ctx_tok_s": 10.0}
+    log.log({**m, "draft_pos_s": 5.0, "acc_per_slot": [0.5]})
+    log.close()
+    assert calls["init"]["mode"] == "offline" and calls["init"]["config"] == {"seed": 0}
+    assert calls["log"] == [
+        (1, {f"train/{k}": v for k, v in m.items() if k != "step"} | {"train/draft_pos_s": 5.0})
+    ]
+    assert calls["finished"]
+    monkeypatch.setenv("WANDB_MODE", "online")
+    MetricsLogger(tmp_path, total_steps=2, tensorboard=False, wandb_config={}).close()
+    assert calls["init"]["mode"] == "online"

@@ -61,6 +61,7 @@ class TrainConfig(_Strict):
     eval_num_prompts: int = Field(8, ge=1)
     eval_max_new_tokens: int = Field(64, ge=1)
     max_bad_steps: int = Field(5, ge=1, description="stop after this many consecutive non-finite steps")
+    wandb: bool = Field(False, description="also log to Weights & Biases (offline unless WANDB_MODE is set)")
     keep_last: int | None = Field(None, ge=1, description="keep only the newest K checkpoints")
     seed: int = 0
     compile: bool | None = Field(None, description="torch.compile flex_attention; default: on GPU")

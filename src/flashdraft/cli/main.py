@@ -43,6 +43,7 @@ def train(
     ),
     eval_prompts: Path | None = typer.Option(None, help="held-out prompts (JSONL) for tau during training"),
     eval_every: int | None = typer.Option(None, help="measure tau every N steps (needs --eval-prompts)"),
+    wandb: bool = typer.Option(False, "--wandb", help="also log to Weights & Biases (offline by default)"),
     plan: bool = typer.Option(
         False, "--plan", help="print layout, memory per rank and balance; do not train"
     ),
@@ -74,7 +75,11 @@ def train(
         _fail("--out is required (or --resume RUN)")
     try:
         over = {"max_steps": max_steps, "save_every": save_every, "seed": seed, "keep_last": keep_last}
-        over |= {"eval_every": eval_every, "eval_prompts": str(eval_prompts) if eval_prompts else None}
+        over |= {
+            "wandb": wandb or None,
+            "eval_every": eval_every,
+            "eval_prompts": str(eval_prompts) if eval_prompts else None,
+        }
         cfg = resolve_config(preset, config, **over)
         trainer = build_trainer(
             cfg, target, str(data), str(out), device, layout, resume is not None, s3, backend

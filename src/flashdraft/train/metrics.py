@@ -1,17 +1,28 @@
-"""One metrics interface: a human line in train.log, a JSON line in metrics.jsonl, TensorBoard events."""
+"""One metrics interface: a human line in train.log, a JSON line in metrics.jsonl, TensorBoard events,
+and Weights & Biases when asked (offline unless the user set WANDB_MODE; the API key, if any, stays
+in the environment where wandb reads it)."""
 
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 
 
 class MetricsLogger:
-    def __init__(self, run_dir: Path, total_steps: int, tensorboard: bool = True):
+    def __init__(
+        self,
+        run_dir: Path,
+        total_steps: int,
+        tensorboard: bool = True,
+        start_step: int = 0,
+        wandb_config: dict | None = None,
+    ):
         self.run_dir = Path(run_dir)
         self.total_steps = total_steps
         self.start = time.time()
+        self.start_step = start_step
         self.log_file = open(self.run_dir / "train.log", "a")  # noqa: SIM115 (open for the run)
         self.jsonl = open(self.run_dir / "metrics.jsonl", "a")  # noqa: SIM115
         self.tb = None
@@ -19,11 +30,13 @@ class MetricsLogger:
             from torch.utils.tensorboard import SummaryWriter
 
             self.tb = SummaryWriter(str(self.run_dir / "tb"))
+        self.wandb = _start_wandb(self.run_dir, wandb_config) if wandb_config is not None else None
 
     def line(self, m: dict) -> str:
         step = m["step"]
         elapsed = time.time() - self.start
-        eta = elapsed / step * (self.total_steps - step) if step else 0.0
+        done = step - self.start_step
+        eta = elapsed / done * (self.total_steps - step) if done > 0 else 0.0
         return (
             f"step {step}/{self.total_steps} loss {m['loss']:.4f} acc1 {m['acc_slot1']:.3f} "
             f"acc {m['acc_mean']:.3f} lr {m['lr']:.2e} ctx {m['ctx_tok_s']:.0f} tok/s "
@@ -38,10 +51,12 @@ class MetricsLogger:
         self.log_file.flush()
         self.jsonl.write(json.dumps({"time": time.time(), **m}) + "\n")
         self.jsonl.flush()
+        scalars = {k: v for k, v in m.items() if isinstance(v, int | float) and k != "step"}
         if self.tb is not None:
-            for key, value in m.items():
-                if isinstance(value, int | float) and key != "step":
-                    self.tb.add_scalar(f"train/{key}", value, m["step"])
+            for key, value in scalars.items():
+                self.tb.add_scalar(f"train/{key}", value, m["step"])
+        if self.wandb is not None:
+            self.wandb.log({f"train/{k}": v for k, v in scalars.items()}, step=m["step"])
         self.last_line = text
 
     def close(self) -> None:
@@ -49,3 +64,21 @@ class MetricsLogger:
         self.jsonl.close()
         if self.tb is not None:
             self.tb.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+
+
+def _start_wandb(run_dir: Path, config: dict):
+    try:
+        import wandb
+    except ImportError:
+        raise RuntimeError("--wandb needs the wandb package: pip install 'flashdraft[wandb]'") from None
+    return wandb.init(
+        project=os.environ.get("WANDB_PROJECT", "flashdraft"),
+        name=run_dir.name,
+        id=f"flashdraft-{run_dir.resolve().name}",
+        resume="allow",
+        dir=str(run_dir),
+        config=config,
+        mode=os.environ.get("WANDB_MODE", "offline"),
+    )

@@ -464,7 +464,8 @@ class Trainer:
             remove_partial_checkpoints(self.out / "checkpoints")
             save_config(cfg, self.out / "config.yaml", extra={**self.meta, "layout": str(self.topo.layout)})
             write_fingerprint(self.out / ENV_FILE, self._fingerprint_extra())
-            log = MetricsLogger(self.out, total_steps=self.total_steps)
+            wandb_config = cfg.model_dump(mode="json") if cfg.wandb else None
+            log = MetricsLogger(self.out, self.total_steps, start_step=self.step, wandb_config=wandb_config)
             self.peak_tflops = matmul_tflops(self.device)
         first = last = float("nan")
         window_tokens, window_wait, steps_in_window = 0, 0.0, 0
