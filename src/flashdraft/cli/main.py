@@ -92,7 +92,7 @@ def train(
             f"done: {result.steps} steps, loss {result.first_loss:.4f} -> {result.final_loss:.4f}; "
             f"checkpoint {result.checkpoint}"
         )
-    trainer.topo.close()
+    trainer.close()
 
 
 def _print_plan(preset: str, config: Path | None, target: str, layout: str, world: int) -> None:

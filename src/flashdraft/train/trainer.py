@@ -9,6 +9,7 @@ micro-batches this rank trains on, and whether its features come from its own ta
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import math
 import time
@@ -529,6 +530,13 @@ class Trainer:
                 if not self.mirror.close(timeout=600):
                     print("warning: the S3 mirror did not finish uploading within 10 minutes", flush=True)
         return TrainResult(self.total_steps, last, first, ckpt)
+
+    def close(self) -> None:
+        """Release the DDP wrapper before the process group: a gloo group destroyed while DDP's
+        reducer still holds it hangs in the reducer's destructor at exit."""
+        self.model = self.drafter
+        gc.collect()
+        self.topo.close()
 
     def _check_finite(self) -> None:
         """Stop after `max_bad_steps` consecutive non-finite steps, saving the last good state (skipped
