@@ -182,6 +182,7 @@ def test_doctor_run_shows_ranked_changes_of_the_latest_checkpoint_and_its_throug
     assert result.exit_code == 0, result.output
     out = result.output
     assert "step_000010" in out and "2000-01-01" in out
+    assert "compile_cache.size_bytes" in out, out
     assert out.index("model_code.hash") < out.index("packages.typer") < out.index("compile_cache.size_bytes")
     assert "0.0.1" in out and current["packages"]["typer"] in out
     assert "ctx_tok_s 12,345" in out

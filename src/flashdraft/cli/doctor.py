@@ -71,7 +71,7 @@ def _print_changes(source: Path, recorded: dict, changes: list) -> None:
     if changes:
         table = Table(title="what changed since (most likely to break a run first)")
         for column in ("rank", "group", "key", "then", "now"):
-            table.add_column(column)
+            table.add_column(column, no_wrap=column == "key")  # a key must stay greppable
         for (rank, group), rows in itertools.groupby(changes, key=lambda c: (c.rank, c.group)):
             table.add_section()
             for i, c in enumerate(rows):
