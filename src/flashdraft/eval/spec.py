@@ -170,7 +170,7 @@ def generate(
 
     t0 = _clock(device)
     cache = new_cache(target.model)
-    logits, features = target.decode(prompt_ids, cache)
+    logits, features = target.decode(prompt_ids, cache, logits_to_keep=1)
     last = sample_tokens(logits[0, -1:], temperature, generator)
     out = Generation(tokens=last.tolist())
     t1 = _clock(device)

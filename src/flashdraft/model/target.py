@@ -117,13 +117,22 @@ class Target:
         return self._collect()
 
     @torch.no_grad()
-    def decode(self, input_ids: torch.Tensor, past_key_values=None) -> tuple[torch.Tensor, torch.Tensor]:
+    def decode(
+        self, input_ids: torch.Tensor, past_key_values=None, logits_to_keep: int = 0
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """One forward of the FULL model with a KV cache (speculative decoding): (logits, features).
 
-        Needs a Target built with truncate=False. `past_key_values` (a transformers Cache) is updated.
+        Needs the whole target (truncate=False, or inside `full_depth()`). `past_key_values` (a
+        transformers Cache) is updated. logits_to_keep=1 (a prefill) computes the last position's
+        logits only; 0 keeps all.
         """
         self._taps.clear()
-        out = self.model(input_ids=input_ids, past_key_values=past_key_values, use_cache=True)
+        out = self.model(
+            input_ids=input_ids,
+            past_key_values=past_key_values,
+            use_cache=True,
+            logits_to_keep=logits_to_keep,
+        )
         return out.logits, self._collect()
 
     def _collect(self) -> torch.Tensor:
