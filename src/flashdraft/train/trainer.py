@@ -90,6 +90,20 @@ class NonFiniteError(RuntimeError):
     pass
 
 
+class _Window:
+    """What the steps since the last log line add up to (kept on the device until then)."""
+
+    def __init__(self, device, wait_s: float = 0.0):
+        self.tokens, self.steps, self.wait_s = 0, 0, wait_s
+        self.positions = torch.zeros((), device=device)
+        self.start = time.perf_counter()
+
+    def add(self, stats) -> None:
+        self.tokens += stats.ctx_tokens
+        self.positions += stats.draft_positions
+        self.steps += 1
+
+
 @dataclass
 class StepStats:
     """What one step measured, kept on the device until a log step reads it."""
@@ -469,51 +483,23 @@ class Trainer:
             log = MetricsLogger(self.out, self.total_steps, start_step=self.step, wandb_config=wandb_config)
             self.peak_tflops = matmul_tflops(self.device)
         first = last = float("nan")
-        window_tokens, window_wait, steps_in_window = 0, 0.0, 0
-        window_positions = torch.zeros((), device=self.device)
-        window_start = time.perf_counter()
+        window = _Window(self.device)
         while self.step < self.total_steps:
             stats = self.train_step_guarded()
             step = self.step
-            window_tokens += stats.ctx_tokens
-            window_positions += stats.draft_positions
-            steps_in_window += 1
+            window.add(stats)
             if step == 1:
                 first = float(self._all_reduce(stats.loss_sum.clone()) / stats.weight_sum)
             if self.tau_probe is not None and (step % cfg.eval_every == 0 or step == self.total_steps):
                 self.pending_tau = self.measure_tau()
             if step % cfg.log_every == 0 or step == self.total_steps:
-                self._reduce_stats(stats)
-                totals = torch.stack([window_positions, window_positions.new_tensor(float(window_tokens))])
-                positions, tokens = self._all_reduce(totals).tolist()
-                elapsed = max(time.perf_counter() - window_start, 1e-9)
-                m = stats.to_metrics()
-                m["skipped_steps"] = int(self.skipped)
-                micro = cfg.grad_accum * self.topo.num_drafters * steps_in_window
-                achieved = self.flops_per_micro * micro / elapsed / 1e12
-                m.update(
-                    step=step,
-                    lr=self.scheduler.get_last_lr()[0],
-                    ctx_tok_s=tokens / elapsed,
-                    draft_pos_s=positions / elapsed,
-                    mfu=achieved / ((self.peak_tflops or 1.0) * self.topo.world_size),
-                    mem_gib=torch.cuda.max_memory_allocated() / 2**30 if self.device.type == "cuda" else 0.0,
-                )
-                if self.remote is not None:
-                    m["drafter_busy"] = 1 - (self.remote.wait_s - window_wait) / elapsed
-                    m["target_busy"] = self.remote.target_busy
-                    window_wait = self.remote.wait_s
-                m.update(self.pending_tau)
-                self.pending_tau = {}
+                m = self._metrics(stats, window)
                 last = m["loss"]
-                self.last_metrics = m
                 if main:
                     log.log(m)
                     if progress is not None:
                         progress(step, self.total_steps, m["loss"])
-                window_tokens = steps_in_window = 0
-                window_positions = torch.zeros((), device=self.device)
-                window_start = time.perf_counter()
+                window = _Window(self.device, self.remote.wait_s if self.remote else 0.0)
             saving = cfg.save_every and step % cfg.save_every == 0 and step != self.total_steps
             if saving or step % cfg.log_every == 0:
                 self._check_finite()
@@ -530,6 +516,32 @@ class Trainer:
                 if not self.mirror.close(timeout=600):
                     print("warning: the S3 mirror did not finish uploading within 10 minutes", flush=True)
         return TrainResult(self.total_steps, last, first, ckpt)
+
+    def _metrics(self, stats: StepStats, window: _Window) -> dict:
+        """The log line's numbers: the step's loss and accuracy, the window's rates (all ranks)."""
+        self._reduce_stats(stats)
+        totals = torch.stack([window.positions, window.positions.new_tensor(float(window.tokens))])
+        positions, tokens = self._all_reduce(totals).tolist()
+        elapsed = max(time.perf_counter() - window.start, 1e-9)
+        micro = self.cfg.grad_accum * self.topo.num_drafters * window.steps
+        achieved = self.flops_per_micro * micro / elapsed / 1e12
+        m = stats.to_metrics()
+        m.update(
+            step=self.step,
+            lr=self.scheduler.get_last_lr()[0],
+            ctx_tok_s=tokens / elapsed,
+            draft_pos_s=positions / elapsed,
+            mfu=achieved / ((self.peak_tflops or 1.0) * self.topo.world_size),
+            mem_gib=torch.cuda.max_memory_allocated() / 2**30 if self.device.type == "cuda" else 0.0,
+            skipped_steps=int(self.skipped),
+        )
+        if self.remote is not None:
+            m["drafter_busy"] = 1 - (self.remote.wait_s - window.wait_s) / elapsed
+            m["target_busy"] = self.remote.target_busy
+        m.update(self.pending_tau)
+        self.pending_tau = {}
+        self.last_metrics = m
+        return m
 
     def close(self) -> None:
         """Release the DDP wrapper before the process group: a gloo group destroyed while DDP's
