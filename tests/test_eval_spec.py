@@ -236,6 +236,10 @@ def _cli() -> typer.Typer:
     return app
 
 
+def _eval_args(target, drafter, prompts) -> list[str]:
+    return ["eval", "--target", str(target), "--drafter", str(drafter), "--prompts", str(prompts)]
+
+
 def test_eval_cli_writes_report_plot_and_table(tmp_path, tiny_target_dir, tiny_drafter_dir):
     prompts = tmp_path / "prompts.jsonl"
     records = [
@@ -244,15 +248,7 @@ def test_eval_cli_writes_report_plot_and_table(tmp_path, tiny_target_dir, tiny_d
     ]
     prompts.write_text("\n".join(json.dumps(r) for r in records) + "\n")
     report_path = tmp_path / "out" / "report.json"
-    args = [
-        "eval",
-        "--target",
-        str(tiny_target_dir),
-        "--drafter",
-        str(tiny_drafter_dir),
-        "--prompts",
-        str(prompts),
-    ]
+    args = _eval_args(tiny_target_dir, tiny_drafter_dir, prompts)
     args += ["--out", str(report_path), "--max-new-tokens", "12", "--device", "cpu"]
     result = CliRunner().invoke(_cli(), args)
     assert result.exit_code == 0, result.output
@@ -273,15 +269,7 @@ def test_eval_cli_writes_report_plot_and_table(tmp_path, tiny_target_dir, tiny_d
 def test_eval_cli_rejects_a_bad_prompt_record(tmp_path, tiny_target_dir, tiny_drafter_dir):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(json.dumps({"prompt": "ok"}) + "\n" + json.dumps({"text": "no"}) + "\n")
-    args = [
-        "eval",
-        "--target",
-        str(tiny_target_dir),
-        "--drafter",
-        str(tiny_drafter_dir),
-        "--prompts",
-        str(prompts),
-    ]
+    args = _eval_args(tiny_target_dir, tiny_drafter_dir, prompts)
     result = CliRunner().invoke(_cli(), [*args, "--out", str(tmp_path / "r.json")])
     assert result.exit_code == 2
     assert "prompts.jsonl:2" in result.output and "messages" in result.output
