@@ -34,6 +34,18 @@ def test_target_features_are_the_outputs_of_the_tapped_layers():
     torch.testing.assert_close(feats, torch.cat([hs[2], hs[4]], -1))  # output of layer i = hs[i + 1]
 
 
+def test_tap_minus_one_is_the_token_embedding_and_keeps_no_layer():
+    """The no-target-features ablation: its drafter sees embed(context tokens), no target layer runs."""
+    ids = torch.randint(0, 90, (2, 24))
+    target = Target(tiny_target(), [-1], truncate=True)
+    assert len(target.model.model.layers) == 0
+    torch.testing.assert_close(target.features(ids), target.embed_tokens(ids))
+    both = Target(tiny_target(), [-1, 1], truncate=True)
+    assert both.features(ids)[..., : both.model.config.hidden_size].equal(both.embed_tokens(ids))
+    with pytest.raises(ValueError, match="do not fit"):
+        Target(tiny_target(), [-2])
+
+
 def test_packed_target_features_equal_each_document_alone():
     target, _ = target_and_drafter()
     batch = packed_batch([[20, 30]], seq_len=64)

@@ -181,3 +181,23 @@ def test_packing_keeps_documents_whole_and_in_order():
     batch = packed_batch([[50, 100, 30]], seq_len=256)
     assert batch.doc_ids[0, :180].unique().tolist() == [0, 1, 2] and (batch.doc_ids[0, 180:] == -1).all()
     assert batch.position_ids[0, 50] == 0 and batch.position_ids[0, 149] == 99  # positions restart
+
+
+def test_training_tau_counts_correct_slots_up_to_the_first_miss():
+    """Block 4 (slots 1..3 have labels); logits = hidden through an identity lm_head, so hits are chosen."""
+    from flashdraft.train.loss import block_loss
+
+    vocab, bs = 8, 4
+    labels = torch.tensor([[[0, 1, 2, 3], [0, 4, 5, 6], [0, 1, 1, 1], [0, 2, 2, 2]]])
+    predicted = torch.tensor([[[0, 1, 2, 3], [0, 4, 0, 6], [0, 0, 1, 1], [0, 2, 2, 2]]])
+    weights = torch.ones(1, 4, bs)
+    weights[0, 3] = 0  # a padding block: not counted
+    weights[0, 0, 3] = 0  # a masked label ends the run, as a turn's end stops decoding
+    hidden = torch.nn.functional.one_hot(predicted, vocab).float().view(1, 4 * bs, vocab)
+    out = block_loss(hidden, torch.eye(vocab), labels, weights)
+    # block 0: slots 1, 2 hit, slot 3 masked -> 3; block 1: slot 1 hits, slot 2 misses -> 2;
+    # block 2: slot 1 misses -> 1 (later hits do not count)
+    assert out.blocks.item() == 3
+    assert out.accepted.item() == 3 + 2 + 1
+    assert out.tau.item() == pytest.approx(2.0)
+    assert out.correct.tolist() == [0, 2, 2, 2]

@@ -194,7 +194,8 @@ def test_wandb_logging_is_offline_unless_configured(tmp_path, monkeypatch):
     from flashdraft.train.metrics import MetricsLogger
 
     log = MetricsLogger(tmp_path, total_steps=2, tensorboard=False, wandb_config={"seed": 0})
-    m = {"step": 1, "loss": 2.5, "acc_slot1": 0.5, "acc_mean": 0.4, "lr": 1e-3, "ctx_tok_s": 10.0}
+    m = {"step": 1, "loss": 2.5, "acc_slot1": 0.5, "acc_mean": 0.4, "tau_train": 1.5}
+    m |= {"lr": 1e-3, "ctx_tok_s": 10.0}
     log.log({**m, "draft_pos_s": 5.0, "acc_per_slot": [0.5]})
     log.close()
     assert calls["init"]["mode"] == "offline" and calls["init"]["config"] == {"seed": 0}

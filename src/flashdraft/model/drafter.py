@@ -26,6 +26,10 @@ from transformers.models.qwen3.modeling_qwen3 import (
     rotate_half,
 )
 
+# A tap id that means the target's token embeddings, not a layer's output: a drafter tapping only
+# this sees which tokens the context holds but nothing the target computed of them (an ablation).
+EMBEDDINGS = -1
+
 # Compiled once at module level (design.md): every call site shares one compiled kernel.
 _compiled_flex_attention = torch.compile(flex_attention, dynamic=False)
 
@@ -195,9 +199,9 @@ def drafter_config(
     )
     n_target = target_config.num_hidden_layers
     ids = list(target_layer_ids) if target_layer_ids else default_target_layer_ids(n_target, num_taps)
-    bad = [i for i in ids if not 0 <= i < n_target]
+    bad = [i for i in ids if not EMBEDDINGS <= i < n_target]
     if bad:
-        raise ValueError(f"target_layer_ids {bad} outside the target's {n_target} layers")
+        raise ValueError(f"target_layer_ids {bad} outside the target's {n_target} layers (or -1)")
     rope_theta = _rope_theta(target_config)
     cfg = Qwen3Config(
         vocab_size=target_config.vocab_size,

@@ -15,6 +15,8 @@ import torch
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
+from flashdraft.model.drafter import EMBEDDINGS
+
 
 def _decoder_layers(model: PreTrainedModel) -> nn.ModuleList:
     layers = getattr(model.get_decoder(), "layers", None)
@@ -34,7 +36,8 @@ def _set_depth(model: PreTrainedModel, layers: list[nn.Module], layer_types: lis
 
 
 class Target:
-    """A frozen causal LM that returns the outputs of layers `layer_ids` (0-based).
+    """A frozen causal LM that returns the outputs of layers `layer_ids` (0-based; -1 is the token
+    embedding, which an ablation taps alone to train a drafter that sees no target features).
 
     truncate=True (training) drops every layer after max(layer_ids) from the module, so they are
     neither computed nor kept in memory; keep the full model (truncate=False) to decode with it.
@@ -49,8 +52,8 @@ class Target:
         self.num_layers = model.config.num_hidden_layers
         layers = _decoder_layers(model)
         n = len(layers)
-        if not layer_ids or max(layer_ids) >= n or min(layer_ids) < 0:
-            raise ValueError(f"layer ids {layer_ids} do not fit a target of {n} layers")
+        if not layer_ids or max(layer_ids) >= n or min(layer_ids) < EMBEDDINGS:
+            raise ValueError(f"layer ids {layer_ids} do not fit a target of {n} layers (-1: embeddings)")
         self._all_layers = list(layers)
         self._layer_types = getattr(model.config, "layer_types", None)
         if truncate or heads_only:
@@ -61,7 +64,8 @@ class Target:
         self.heads_only = heads_only
         self._taps: dict[int, torch.Tensor] = {}
         for i in set(layer_ids) if not heads_only else ():
-            layers[i].register_forward_hook(self._tap(i))
+            module = self.embed_tokens if i == EMBEDDINGS else layers[i]
+            module.register_forward_hook(self._tap(i))
         self.layer_ids = list(layer_ids)
 
     def _tap(self, i: int):

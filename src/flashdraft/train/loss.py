@@ -1,4 +1,5 @@
-"""Gamma-weighted block cross-entropy through the frozen lm_head, with per-slot accuracy.
+"""Gamma-weighted block cross-entropy through the frozen lm_head, with per-slot accuracy and the
+training-time acceptance length (1 + correct slots before the first miss, per block).
 
 Logits are computed chunk by chunk under activation checkpointing, so a 151,936-wide vocabulary
 never materialises logits for all draft positions at once (forward or backward).
@@ -18,6 +19,13 @@ class BlockLoss:
     weighted_ce: torch.Tensor  # sum over positions of w * ce (not yet normalised)
     correct: torch.Tensor  # [B] argmax hits per slot (label positions with loss mask only)
     counted: torch.Tensor  # [B] label positions per slot
+    accepted: torch.Tensor  # sum over blocks of 1 + the run of correct slots from slot 1 on
+    blocks: torch.Tensor  # blocks with at least one weighted label
+
+    @property
+    def tau(self) -> torch.Tensor:
+        """Acceptance length speculative decoding would see on these blocks (per dflash.md section 3)."""
+        return self.accepted / self.blocks.clamp(min=1)
 
 
 def _chunk_ce(h: torch.Tensor, w_head: torch.Tensor, labels: torch.Tensor):
@@ -48,6 +56,7 @@ def block_loss(
     correct = torch.zeros(bs, device=hidden.device)
     slot = torch.arange(1, bs, device=hidden.device).repeat(b * n)
     counted = torch.zeros(bs, device=hidden.device).index_add_(0, slot, (w > 0).float())
+    hits = torch.empty_like(y, dtype=torch.bool)
     for start in range(0, h.shape[0], chunk_rows):
         sl = slice(start, start + chunk_rows)
         hc, yc, wc = h[sl], y[sl], w[sl]
@@ -56,5 +65,10 @@ def block_loss(
         else:
             ce, pred = _chunk_ce(hc, lm_head_weight, yc)
         total = total + (ce * wc).sum()
-        correct.index_add_(0, slot[sl], ((pred == yc) & (wc > 0)).float())
-    return BlockLoss(total, correct, counted)
+        hits[sl] = (pred == yc) & (wc > 0)
+    correct.index_add_(0, slot, hits.float())
+    # a masked label (no loss) ends the run: speculative decoding would stop at a turn's end too
+    hits = hits.view(b * n, bs - 1)
+    accepted = (1 + hits.cumprod(1).sum(1)).float()
+    live = (w.view(b * n, bs - 1) > 0).any(1)
+    return BlockLoss(total, correct, counted, (accepted * live).sum(), live.sum().float())

@@ -112,6 +112,8 @@ class StepStats:
     correct: torch.Tensor
     counted: torch.Tensor
     draft_positions: torch.Tensor
+    accepted: torch.Tensor
+    blocks: torch.Tensor
     weight_sum: torch.Tensor | None = None
     grad_norm: torch.Tensor | None = None
     ctx_tokens: int = 0
@@ -119,14 +121,15 @@ class StepStats:
     @classmethod
     def zeros(cls, block_size: int, device) -> StepStats:
         z = torch.zeros((), device=device)
-        return cls(
-            z.clone(), torch.zeros(block_size, device=device), torch.zeros(block_size, device=device), z
-        )
+        slots = torch.zeros(block_size, device=device)
+        return cls(z.clone(), slots, slots.clone(), z.clone(), z.clone(), z.clone())
 
     def add(self, out, mb) -> None:
         self.loss_sum += out.weighted_ce.detach()
         self.correct += out.correct
         self.counted += out.counted
+        self.accepted += out.accepted
+        self.blocks += out.blocks
         self.draft_positions += (mb.blocks.weights > 0).sum()
 
     def to_metrics(self) -> dict:
@@ -136,6 +139,7 @@ class StepStats:
             "acc_slot1": float(acc[0]),
             "acc_mean": float(self.correct[1:].sum() / self.counted[1:].sum().clamp(min=1)),
             "acc_per_slot": [round(float(a), 4) for a in acc],
+            "tau_train": float(self.accepted / self.blocks.clamp(min=1)),
             "grad_norm": float(self.grad_norm),
         }
 
@@ -447,7 +451,7 @@ class Trainer:
 
     def _reduce_stats(self, stats: StepStats) -> None:
         """Sum a step's loss and accuracy counts over drafter ranks (at log steps only)."""
-        for t in (stats.loss_sum, stats.correct, stats.counted):
+        for t in (stats.loss_sum, stats.correct, stats.counted, stats.accepted, stats.blocks):
             self._all_reduce(t)
 
     def serve(self) -> None:
