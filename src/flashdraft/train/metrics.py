@@ -39,7 +39,8 @@ class MetricsLogger:
         eta = elapsed / done * (self.total_steps - step) if done > 0 else 0.0
         return (
             f"step {step}/{self.total_steps} loss {m['loss']:.4f} acc1 {m['acc_slot1']:.3f} "
-            f"acc {m['acc_mean']:.3f} tau_train {m['tau_train']:.2f} lr {m['lr']:.2e} ctx {m['ctx_tok_s']:.0f} tok/s "
+            f"acc {m['acc_mean']:.3f} tau_train {m['tau_train']:.2f} lr {m['lr']:.2e} "
+            f"ctx {m['ctx_tok_s']:.0f} tok/s "
             f"draft {m['draft_pos_s']:.0f} pos/s mfu {100 * m.get('mfu', 0):.1f}% "
             f"mem {m.get('mem_gib', 0):.1f}GiB eta {eta:.0f}s"
             + (f" tau {m['tau']:.2f}" if "tau" in m else "")
