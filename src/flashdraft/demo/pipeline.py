@@ -149,37 +149,41 @@ def run_demo(out: Path, budget_minutes: float = 8.0) -> dict:
     return run_pipeline(out, budget_minutes, CPU)
 
 
-def run_pipeline(out: Path, budget_minutes: float, scale: Scale) -> dict:
-    from flashdraft.config import resolve_config
+@dataclass
+class Prepared:
+    """What the drafter stage needs: the target, the token shards, held-out prompts, and what it took."""
+
+    target_dir: Path
+    data_dir: Path
+    eval_prompts: list[list[dict]]
+    summary: dict  # target size, steps and loss; conversations; seconds per stage
+
+
+def prepare(out: Path, budget_s: float, scale: Scale, console: Console) -> Prepared:
+    """Steps 1-3: tokenizer and target trained on real code, conversations the target rewrites, shards."""
     from flashdraft.data.prepare import PrepareOptions, prepare_dataset
     from flashdraft.data.regenerate import LocalBackend, regenerate_file
-    from flashdraft.eval.report import compare_methods, print_table, write_report
-    from flashdraft.train.trainer import build_trainer
 
-    console = Console()
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    torch.manual_seed(0)
-    t_start = time.time()
-    budget = 60 * budget_minutes
+    clock = _Clock()
     files = source_files(scale)
     held_out = files[::10]
     train_files = [f for f in files if f not in set(held_out)]
     train_texts = [f.read_text(errors="replace") for f in train_files]
-
     console.print(f"[bold]flashdraft[/] -> {out} ({len(train_files)} Python source files for training)")
     tokenizer = build_tokenizer(train_texts, vocab_size=scale.vocab_size)
     pairs = code_windows(train_texts, tokenizer, scale.prompt_tokens, scale.response_tokens)
     target = build_tiny_target(tokenizer, **scale.target)
+    clock.lap("tokenizer_s")
 
     columns = [TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(), TimeRemainingColumn()]
     with Progress(*columns, console=console) as progress:
-        seconds = scale.target_share * budget
+        seconds = scale.target_share * budget_s
         task = progress.add_task("target", total=seconds)
         steps_target, target_loss = pretrain_target(target, tokenizer, pairs, seconds, progress, task, scale)
     target_dir = save_target(target, tokenizer, out / "target")
     n_params = sum(p.numel() for p in target.parameters())
     console.print(f"target: {n_params / 1e6:.1f}M params, {steps_target} steps, loss {target_loss:.3f}")
+    clock.lap("target_s")
 
     data_dir = out / "data"
     data_dir.mkdir(parents=True, exist_ok=True)
@@ -198,17 +202,60 @@ def run_pipeline(out: Path, budget_minutes: float, scale: Scale) -> dict:
     with console.status("the target rewrites the assistant turns (greedy): flashdraft data regenerate"):
         regenerate_file(backend, str(source), regenerated, progress=False)
     target.to("cpu")
+    clock.lap("regenerate_s")
     options = PrepareOptions(
         max_length=4 * (scale.prompt_tokens + scale.response_tokens), cache_dir=out / "cache"
     )
     stats = prepare_dataset(str(regenerated), tokenizer, data_dir, options)
     console.print(f"data: {stats['kept']} conversations, {stats['loss_tokens']} loss tokens -> {data_dir}")
+    clock.lap("prepare_s")
 
-    # about half of the time left trains the drafter (a step takes ~0.15 s on 2 cores); eval follows
+    held_texts = [f.read_text(errors="replace") for f in held_out]
+    eval_pairs = code_windows(held_texts, tokenizer, scale.prompt_tokens, scale.response_tokens)
+    eval_pairs = eval_pairs[:: max(1, len(eval_pairs) // scale.eval_prompts)][: scale.eval_prompts]
+    summary = {
+        "target_params": n_params,
+        "target_steps": steps_target,
+        "target_loss": target_loss,
+        "conversations": stats["kept"],
+        "loss_tokens": stats["loss_tokens"],
+        "seconds": clock.laps,
+    }
+    return Prepared(target_dir, data_dir, [chat(p["prompt"]) for p in eval_pairs], summary)
+
+
+class _Clock:
+    def __init__(self):
+        self.last = time.time()
+        self.laps: dict[str, float] = {}
+
+    def lap(self, name: str) -> None:
+        now = time.time()
+        self.laps[name] = round(now - self.last, 1)
+        self.last = now
+
+
+def run_pipeline(out: Path, budget_minutes: float, scale: Scale) -> dict:
+    from flashdraft.config import resolve_config
+    from flashdraft.eval.report import compare_methods, print_table, write_report
+    from flashdraft.train.trainer import build_trainer
+
+    console = Console()
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(0)
+    t_start = time.time()
+    budget = 60 * budget_minutes
+    prep = prepare(out, budget, scale, console)
+
+    # a share of the time left trains the drafter (a step takes ~0.15 s on 2 cores); eval follows
     remaining = budget - (time.time() - t_start)
     steps = max(50, int(scale.drafter_share * remaining / scale.drafter_step_s))
     cfg = resolve_config(scale.preset, **scale.drafter, log_every=25, max_steps=steps)
-    trainer = build_trainer(cfg, str(target_dir), str(data_dir), str(out / "run"), device=scale.device)
+    trainer = build_trainer(
+        cfg, str(prep.target_dir), str(prep.data_dir), str(out / "run"), device=scale.device
+    )
+    columns = [TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(), TimeRemainingColumn()]
     with Progress(*columns, console=console) as progress:
         task = progress.add_task("drafter", total=trainer.total_steps)
         result = trainer.run(
@@ -218,21 +265,19 @@ def run_pipeline(out: Path, budget_minutes: float, scale: Scale) -> dict:
         )
     console.print(f"drafter: loss {result.first_loss:.3f} -> {result.final_loss:.3f} in {result.steps} steps")
 
-    held_texts = [f.read_text(errors="replace") for f in held_out]
-    eval_pairs = code_windows(held_texts, tokenizer, scale.prompt_tokens, scale.response_tokens)
-    eval_pairs = eval_pairs[:: max(1, len(eval_pairs) // scale.eval_prompts)][: scale.eval_prompts]
-    prompts = [chat(p["prompt"]) for p in eval_pairs]
     with console.status("speculative decoding on held-out prompts"):
         report = compare_methods(
-            target_dir, result.checkpoint, prompts, max_new_tokens=scale.response_tokens, device=scale.device
+            prep.target_dir,
+            result.checkpoint,
+            prep.eval_prompts,
+            max_new_tokens=scale.response_tokens,
+            device=scale.device,
         )
     write_report(report, out / "eval" / "report.json")
     print_table(report, console)
     summary = {
         "wall_s": round(time.time() - t_start, 1),
-        "target_params": n_params,
-        "target_steps": steps_target,
-        "target_loss": target_loss,
+        **{k: v for k, v in prep.summary.items() if k.startswith("target_")},
         "drafter_first_loss": result.first_loss,
         "drafter_final_loss": result.final_loss,
         "drafter_steps": result.steps,

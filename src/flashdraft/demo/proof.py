@@ -1,0 +1,246 @@
+"""The proof on a target trained here (scripts/real_target_proof.py): the demo's flow at GPU scale,
+with the drafter trained by `flashdraft train`, ablations, T = 0 and T = 1, and the reference package.
+
+1. `prepare` (flashdraft.demo.pipeline): tokenizer + Qwen3 target trained on real code, held-out
+   prompts, conversations the target rewrites greedily, token shards;
+2. drafters trained by `flashdraft train` subprocesses, started together so that they share the GPU
+   and the time budget: the main one (with tau measured during training), and the ablations - the
+   same drafter tapping only the token embedding (no target features), and tapping 5 layers;
+3. `compare_methods` (flashdraft eval) for the main drafter at T = 0 and T = 1: DFlash, n-gram and
+   plain decoding on the held-out prompts; greedy tau of each ablation;
+4. the main drafter exported to the z-lab layout and decoded by the reference `dflash` package.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import yaml
+from rich.console import Console
+from rich.table import Table
+
+from flashdraft.demo.pipeline import Scale, _Clock, prepare
+
+# name -> config overrides on top of the scale's drafter; "main" is the proof, the others ablations
+VARIANTS: dict[str, dict] = {
+    "main": {},
+    "no_target_features": {"drafter.target_layer_ids": [-1]},
+    "taps_5": {"drafter.num_taps": 5},
+}
+
+
+def _nested(dotted: dict) -> dict:
+    out: dict = {}
+    for key, value in dotted.items():
+        *parents, leaf = key.split(".")
+        node = out
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = value
+    return out
+
+
+@dataclass
+class DrafterRun:
+    name: str
+    run_dir: Path
+    process: subprocess.Popen
+    log: Path
+
+
+def start_drafter(
+    name: str, prep, out: Path, scale: Scale, steps: int, prompts: Path | None, extra: dict
+) -> DrafterRun:
+    """`flashdraft train` in a subprocess; the main variant also measures tau during training."""
+    run_dir = out / "runs" / name
+    run_dir.parent.mkdir(parents=True, exist_ok=True)
+    log_every = 25
+    config = {**scale.drafter, **extra, "log_every": log_every}
+    cmd = [sys.executable, "-m", "flashdraft.cli.main", "train", "--target", str(prep.target_dir)]
+    cmd += ["--data", str(prep.data_dir), "--out", str(run_dir), "--preset", scale.preset]
+    cmd += ["--device", scale.device, "--max-steps", str(steps)]
+    if prompts is not None:
+        config |= {"eval_num_prompts": scale.eval_prompts, "eval_max_new_tokens": scale.response_tokens}
+        cmd += [
+            "--eval-prompts",
+            str(prompts),
+            "--eval-every",
+            str(log_every * max(1, steps // (3 * log_every))),
+        ]
+    config_path = out / "runs" / f"{name}.yaml"
+    config_path.write_text(yaml.safe_dump(_nested(config)))
+    cmd += ["--config", str(config_path)]
+    log = out / "runs" / f"{name}.log"
+    with open(log, "w") as f:
+        process = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=os.environ.copy())
+    return DrafterRun(name, run_dir, process, log)
+
+
+def finish_drafter(run: DrafterRun) -> dict:
+    """Wait; a failed run is an error that shows the end of its log."""
+    code = run.process.wait()
+    if code != 0:
+        tail = "\n".join(run.log.read_text().splitlines()[-30:])
+        raise RuntimeError(f"drafter run {run.name!r} failed (exit {code}); {run.log}:\n{tail}")
+    from flashdraft.model.checkpoint import latest_checkpoint
+
+    lines = [json.loads(x) for x in (run.run_dir / "metrics.jsonl").read_text().splitlines()]
+    last = lines[-1]
+    taus = [(m["step"], m["tau"]) for m in lines if "tau" in m]
+    return {
+        "checkpoint": str(latest_checkpoint(run.run_dir / "checkpoints")),
+        "steps": last["step"],
+        "first_loss": lines[0]["loss"],
+        "final_loss": last["loss"],
+        "acc_slot1": last["acc_slot1"],
+        "tau_train": last["tau_train"],  # acceptance on the last training batch
+        "tau_during_training": taus,  # speculative decoding on the held-out prompts, during training
+        "ctx_tok_s": last["ctx_tok_s"],
+    }
+
+
+def reference_tau(
+    export_dir: Path, target_dir: Path, prompt_ids: list[list[int]], max_new: int, device
+) -> dict:
+    """Greedy tau of the exported drafter decoded by the reference `dflash` package (z-lab)."""
+    import dflash.model
+    from dflash.model import DFlashDraftModel, dflash_generate
+
+    from flashdraft.eval.spec import mean_tau, stop_token_ids
+    from flashdraft.model.target import load_target
+
+    if torch.device(device).type == "cpu":  # its stats timer calls torch.cuda.synchronize()
+        dflash.model._cuda_time = time.perf_counter
+    model, tokenizer = load_target(target_dir, device)
+    ref = DFlashDraftModel.from_pretrained(str(export_dir), dtype=model.dtype).to(device).eval()
+    stops = stop_token_ids(model, tokenizer)
+    taus = []
+    for ids in prompt_ids:
+        x = torch.tensor([ids], device=device)
+        out = dflash_generate(ref, model, x, max_new, stops, temperature=0.0, return_stats=True)
+        lengths = out.acceptance_lengths
+        taus.append(sum(lengths) / len(lengths) if lengths else float("nan"))
+    return {"tau": mean_tau(taus), "tau_per_sample": taus}
+
+
+def run_proof(out: Path, budget_minutes: float, scale: Scale, ablations: bool = True, reference: bool = True):
+    from flashdraft.eval.report import compare_methods, write_report
+    from flashdraft.eval.spec import encode_prompt, eval_tau
+    from flashdraft.export.formats import export_checkpoint
+    from flashdraft.model.checkpoint import load_drafter
+    from flashdraft.model.target import load_target
+
+    console = Console(width=None if sys.stdout.isatty() else 120)
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(0)
+    t_start = time.time()
+    budget = 60 * budget_minutes
+    prep = prepare(out, budget, scale, console)
+    prompts_path = out / "eval" / "prompts.jsonl"
+    prompts_path.parent.mkdir(parents=True, exist_ok=True)
+    prompts_path.write_text("".join(json.dumps({"messages": m}) + "\n" for m in prep.eval_prompts))
+
+    clock = _Clock()
+    remaining = budget - (time.time() - t_start)
+    steps = max(50, int(scale.drafter_share * remaining / scale.drafter_step_s))
+    names = list(VARIANTS) if ablations else ["main"]
+    console.print(f"drafters {names}: {steps} steps each, trained together ({remaining:.0f} s left)")
+    runs = [
+        start_drafter(n, prep, out, scale, steps, prompts_path if n == "main" else None, VARIANTS[n])
+        for n in names
+    ]
+    drafters = {r.name: finish_drafter(r) for r in runs}
+    clock.lap("drafters_s")
+
+    main = drafters["main"]
+    evals = {}
+    for temperature in (0.0, 1.0):
+        report = compare_methods(
+            prep.target_dir,
+            main["checkpoint"],
+            prep.eval_prompts,
+            max_new_tokens=scale.response_tokens,
+            temperature=temperature,
+            device=scale.device,
+        )
+        write_report(report, out / "eval" / f"report_T{temperature:g}.json")
+        evals[temperature] = report
+    clock.lap("eval_s")
+
+    model, tokenizer = load_target(prep.target_dir, scale.device)
+    prompt_ids = [encode_prompt(tokenizer, m) for m in prep.eval_prompts]
+    for name in names[1:]:
+        drafter = load_drafter(drafters[name]["checkpoint"], scale.device, dtype=model.dtype).eval()
+        drafters[name]["tau"] = eval_tau(model, tokenizer, drafter, prompt_ids, scale.response_tokens)
+    clock.lap("ablation_eval_s")
+
+    ref = None
+    if reference:
+        export_dir = export_checkpoint(Path(main["checkpoint"]), "zlab", out / "export" / "zlab")
+        ref = reference_tau(export_dir, prep.target_dir, prompt_ids, scale.response_tokens, scale.device)
+        ours = evals[0.0]["dflash"]["tau_per_sample"]
+        same = [abs(a - b) < 1e-6 for a, b in zip(ref["tau_per_sample"], ours, strict=True)]
+        ref["samples_with_our_tau"] = sum(same)
+        clock.lap("reference_s")
+
+    t0, t1 = evals[0.0], evals[1.0]
+    summary = {
+        "wall_s": round(time.time() - t_start, 1),
+        "device": torch.cuda.get_device_name() if scale.device == "cuda" else "cpu",
+        "torch": torch.__version__,
+        **prep.summary,
+        "seconds": prep.summary["seconds"] | clock.laps,
+        "drafter": {k: v for k, v in scale.drafter.items()},
+        "drafters": drafters,
+        "tau_T0": t0["dflash"]["tau"],
+        "tau_T1": t1["dflash"]["tau"],
+        "tau_ngram_T0": t0["ngram"]["tau"],
+        "tau_ngram_T1": t1["ngram"]["tau"],
+        "speedup_T0": t0["speedup"],
+        "speedup_T1": t1["speedup"],
+        "identical_to_autoregressive_T0": t0.get("identical_to_autoregressive"),
+        "reference": ref,
+    }
+    (out / "proof.json").write_text(json.dumps(summary, indent=2) + "\n")
+    print_proof(summary, console)
+    return summary
+
+
+def print_proof(s: dict, console: Console) -> None:
+    table = Table(
+        title=f"proof: {s['target_params'] / 1e6:.1f}M target (loss {s['target_loss']:.2f}), {s['device']}"
+    )
+    for col in ("drafter", "steps", "loss", "tau_train", "tau T=0", "tau T=1", "speedup T=0"):
+        table.add_column(col, justify="left" if col == "drafter" else "right")
+    for name, d in s["drafters"].items():
+        main = name == "main"
+        table.add_row(
+            name,
+            str(d["steps"]),
+            f"{d['final_loss']:.3f}",
+            f"{d['tau_train']:.2f}",
+            f"{(s['tau_T0'] if main else d['tau']):.2f}",
+            f"{s['tau_T1']:.2f}" if main else "-",
+            f"{s['speedup_T0']['dflash']:.2f}x" if main else "-",
+        )
+    table.add_row(
+        "n-gram",
+        "-",
+        "-",
+        "-",
+        f"{s['tau_ngram_T0']:.2f}",
+        f"{s['tau_ngram_T1']:.2f}",
+        f"{s['speedup_T0']['ngram']:.2f}x",
+    )
+    if s["reference"]:
+        table.add_row("main via dflash 0.1.0", "-", "-", "-", f"{s['reference']['tau']:.2f}", "-", "-")
+    console.print(table)
+    console.print(f"stage seconds: {s['seconds']}; total {s['wall_s']:.0f} s")
