@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import json
+import re
 import sysconfig
 import time
 from dataclasses import dataclass, field
@@ -64,10 +65,10 @@ H200 = Scale(
         "optim.lr": 1e-3,
     },
     preset="default",
-    drafter_step_s=0.09,  # measured 0.08 s/step on the H200 (630 steps in 50 s)
+    drafter_step_s=0.1,  # 0.08 s/step measured alone on the H200; the proof trains 3 drafters at once
     eval_prompts=16,
-    target_share=0.3,  # the first attempt spent 40% here and left the drafter 50 s
-    drafter_share=0.75,
+    target_share=0.25,  # the first attempt spent 40% here and left the drafter 50 s
+    drafter_share=0.6,
     source_bytes=60_000_000,
 )
 
@@ -86,20 +87,15 @@ def source_files(scale: Scale) -> list[Path]:
 
 
 def code_windows(texts: list[str], tokenizer, prompt_tokens: int, response_tokens: int) -> list[dict]:
-    """Consecutive windows of each text: {prompt, response} split at `prompt_tokens`."""
-    pairs = []
+    """Consecutive windows of each text: {prompt, response, ids} split at `prompt_tokens`."""
     span = prompt_tokens + response_tokens
-    for text in texts:
-        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-        for start in range(0, len(ids) - span + 1, span):
-            window = ids[start : start + span]
-            pairs.append(
-                {
-                    "prompt": tokenizer.decode(window[:prompt_tokens]),
-                    "response": tokenizer.decode(window[prompt_tokens:]),
-                }
-            )
-    return pairs
+    windows = []
+    for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]:  # batched: parallel in Rust
+        windows += [ids[start : start + span] for start in range(0, len(ids) - span + 1, span)]
+    prompts = tokenizer.batch_decode([w[:prompt_tokens] for w in windows])
+    responses = tokenizer.batch_decode([w[prompt_tokens:] for w in windows])
+    pairs = zip(prompts, responses, windows, strict=True)
+    return [{"prompt": p, "response": r, "ids": w} for p, r, w in pairs]
 
 
 def chat(prompt: str, response: str | None = None) -> list[dict]:
@@ -112,8 +108,13 @@ def chat(prompt: str, response: str | None = None) -> list[dict]:
 def pretrain_target(model, tokenizer, pairs: list[dict], seconds: float, progress, task, scale: Scale = CPU):
     """Causal-LM training of the target on chat-rendered windows, for a time budget."""
     seq_len = scale.prompt_tokens + scale.response_tokens + 16
-    texts = [tokenizer.apply_chat_template(chat(p["prompt"], p["response"]), tokenize=False) for p in pairs]
-    enc = [tokenizer(t, add_special_tokens=False)["input_ids"][:seq_len] for t in texts]
+    # the chat template around the window's own ids (re-encoding 80K rendered windows costs a minute)
+    rendered = tokenizer.apply_chat_template(chat("\ue000", "\ue001"), tokenize=False)
+    head, mid, tail = (
+        tokenizer(t, add_special_tokens=False)["input_ids"] for t in re.split("[\ue000\ue001]", rendered)
+    )
+    cut = scale.prompt_tokens
+    enc = [(head + p["ids"][:cut] + mid + p["ids"][cut:] + tail)[:seq_len] for p in pairs]
     ids = torch.full((len(enc), seq_len), tokenizer.pad_token_id)
     labels = torch.full((len(enc), seq_len), -100)
     for i, e in enumerate(enc):
