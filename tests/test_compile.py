@@ -26,6 +26,10 @@ def test_a_recompile_after_warm_up_stops_the_run_with_a_clear_message(tmp_path, 
         trainer.train_step_guarded()  # warm-up: compiles the drafter layers
         assert trainer.compile_report is not None and trainer.compile_report.seconds > 0
         trainer.train_step_guarded()  # same shapes: no recompile
+        # tau during training decodes with ever-changing shapes: eagerly, not as a recompile error
+        trainer.tau_probe = (None, [[5, 6, 7, 8, 9, 10], [11, 12, 13]])
+        assert 1.0 <= trainer.measure_tau()["tau"] <= 16.0
+        trainer.train_step_guarded()
         docs = random_docs([150, 100], seed=2, prompt_len=10)
         odd = collate_rows([[d] for d in docs], 160, pad_token_id=0)  # a row length the warm-up never saw
         trainer.stream = {trainer.step: odd, trainer.step + 1: odd}  # micro-batch m = step - 1

@@ -67,8 +67,8 @@ H200 = Scale(
     preset="default",
     drafter_step_s=0.1,  # 0.08 s/step measured alone on the H200; the proof trains 3 drafters at once
     eval_prompts=16,
-    target_share=0.25,  # the first attempt spent 40% here and left the drafter 50 s
-    drafter_share=0.6,
+    target_share=0.22,  # the first attempt spent 40% here and left the drafter 50 s
+    drafter_share=0.55,
     source_bytes=60_000_000,
 )
 

@@ -72,7 +72,7 @@ def start_drafter(
             "--eval-prompts",
             str(prompts),
             "--eval-every",
-            str(log_every * max(1, steps // (3 * log_every))),
+            str(log_every * max(1, steps // (2 * log_every))),
         ]
     config_path = out / "runs" / f"{name}.yaml"
     config_path.write_text(yaml.safe_dump(_nested(config)))

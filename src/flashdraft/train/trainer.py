@@ -568,12 +568,15 @@ class Trainer:
 
     def measure_tau(self) -> dict:
         """Greedy speculative decoding against the running target on held-out prompts: the serving
-        acceptance length, watched during training instead of guessed from training accuracy."""
+        acceptance length, watched during training instead of guessed from training accuracy.
+
+        Decoding changes shapes every cycle, so the drafter's compiled layers run eagerly here
+        (force_eager), outside the fail_on_recompile stance of training steps."""
         from flashdraft.eval.spec import eval_tau
 
         tokenizer, prompts = self.tau_probe
         t0 = time.perf_counter()
-        with self.target.full_depth(), self._autocast():
+        with self.target.full_depth(), self._autocast(), torch.compiler.set_stance("force_eager"):
             tau = eval_tau(self.target, tokenizer, self.drafter, prompts, self.cfg.eval_max_new_tokens)
         return {"tau": tau, "tau_eval_s": time.perf_counter() - t0}
 
