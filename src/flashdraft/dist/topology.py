@@ -127,8 +127,11 @@ def init_topology(layout: str = "colocated", device: str | None = None, backend:
         dev = torch.device("cuda", 0)
         torch.cuda.set_device(dev)
     topo = Topology(rank, world, local, lay, dev)
+    if backend not in ("auto", "gloo", "nccl"):
+        raise ValueError(f"backend {backend!r}: choose auto, gloo or nccl")
     if world > 1:
-        backend = "nccl" if dev.type == "cuda" else "gloo"
+        if backend == "auto":
+            backend = "nccl" if dev.type == "cuda" else "gloo"
         dist.init_process_group(
             backend, timeout=timedelta(minutes=30), device_id=dev if backend == "nccl" else None
         )

@@ -1,0 +1,25 @@
+"""Process-group set-up: the backend a user asks for is the backend the group gets."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from flashdraft.dist.topology import init_topology
+
+
+@pytest.mark.parametrize(("asked", "device", "made"), [("gloo", "cuda", "gloo"), ("auto", "cuda", "nccl")])
+def test_the_asked_backend_is_used_on_a_gpu(monkeypatch, asked, device, made):
+    """gloo is how several ranks share one GPU (NCCL refuses two ranks on one device): auto must not
+    turn it back into NCCL. No GPU here, so the CUDA and process-group calls are recorded, not made."""
+    groups = []
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: None)
+    monkeypatch.setattr(dist, "init_process_group", lambda backend, **kw: groups.append(backend))
+    init_topology("colocated", device, asked)
+    assert groups == [made]
+
+
+def test_an_unknown_backend_is_refused():
+    with pytest.raises(ValueError, match="backend 'mpi'"):
+        init_topology("colocated", "cpu", "mpi")
