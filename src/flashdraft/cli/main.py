@@ -44,6 +44,9 @@ def train(
     eval_prompts: Path | None = typer.Option(None, help="held-out prompts (JSONL) for tau during training"),
     eval_every: int | None = typer.Option(None, help="measure tau every N steps (needs --eval-prompts)"),
     wandb: bool = typer.Option(False, "--wandb", help="also log to Weights & Biases (offline by default)"),
+    fsdp: bool = typer.Option(
+        False, "--fsdp", help="shard the drafter over the drafter ranks (FSDP2) instead of replicating it"
+    ),
     plan: bool = typer.Option(
         False, "--plan", help="print layout, memory per rank and balance; do not train"
     ),
@@ -77,6 +80,7 @@ def train(
         over = {"max_steps": max_steps, "save_every": save_every, "seed": seed, "keep_last": keep_last}
         over |= {
             "wandb": wandb or None,
+            "fsdp": fsdp or None,
             "eval_every": eval_every,
             "eval_prompts": str(eval_prompts) if eval_prompts else None,
         }
