@@ -213,4 +213,9 @@ def test_plan_prints_roles_memory_and_balance_without_loading_weights(tmp_path):
     assert "rank 4: target" in result.output and "rank 5: drafter" in result.output
     # 43 TFLOP of target work over 5 ranks against 72 of drafter work over 3: targets idle 2/3 of the time
     assert "target ranks 36%, drafter ranks 100%" in result.output
+    sharded = CliRunner().invoke(
+        app, [*args, "--nproc", "8", "--layout", "split:5:3", "--preset", "qwen3_8b_h200", "--fsdp"]
+    )
+    gib = lambda text: float(re.search(r"drafter ranks ~([\d.]+) GiB", text).group(1))  # noqa: E731
+    assert gib(sharded.output) < gib(result.output)  # the drafter's 16 bytes a parameter over 3 ranks
     assert not (tmp_path / "unused").exists()

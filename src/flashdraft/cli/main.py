@@ -57,7 +57,7 @@ def train(
     rendezvous with no other change).
     """
     if plan:
-        _print_plan(preset, config, target, layout, nproc or int(os.environ.get("WORLD_SIZE", "1")))
+        _print_plan(preset, config, target, layout, nproc or int(os.environ.get("WORLD_SIZE", "1")), fsdp)
         return
     if nproc is not None and "LOCAL_RANK" not in os.environ:
         _launch(nproc)
@@ -99,14 +99,14 @@ def train(
     trainer.close()
 
 
-def _print_plan(preset: str, config: Path | None, target: str, layout: str, world: int) -> None:
+def _print_plan(preset: str, config: Path | None, target: str, layout: str, world: int, fsdp: bool) -> None:
     from transformers import AutoConfig
 
     from flashdraft.config import resolve_config
     from flashdraft.dist.plan import make_plan
 
     try:
-        cfg = resolve_config(preset, config)
+        cfg = resolve_config(preset, config, fsdp=fsdp or None)
         plan = make_plan(cfg, AutoConfig.from_pretrained(target), layout, world)
     except (ValueError, OSError) as e:
         _fail(str(e))
