@@ -64,6 +64,11 @@ class TrainConfig(_Strict):
     wandb: bool = Field(False, description="also log to Weights & Biases (offline unless WANDB_MODE is set)")
     keep_last: int | None = Field(None, ge=1, description="keep only the newest K checkpoints")
     seed: int = 0
+    fsdp: bool = Field(
+        False,
+        description="shard the drafter's parameters, gradients and optimizer state over the drafter ranks "
+        "with FSDP2 fully_shard, for drafters too big to replicate; default: DDP replicas",
+    )
     compile: bool | None = Field(None, description="torch.compile flex_attention; default: on GPU")
     attention: str = Field(
         "auto",
@@ -79,6 +84,12 @@ class TrainConfig(_Strict):
             raise ValueError("data.seq_len must be at least drafter.block_size")
         if self.eval_every and not self.eval_prompts:
             raise ValueError("eval_every needs eval_prompts (a JSONL of held-out prompts)")
+        if self.eval_every and self.fsdp:
+            raise ValueError(
+                "eval_every cannot be combined with fsdp: tau is measured on the main rank alone, and a "
+                "sharded drafter runs only on all drafter ranks together; drop eval_every and measure "
+                "checkpoints with `flashdraft eval`, or train without fsdp"
+            )
         return self
 
 

@@ -44,6 +44,9 @@ def train(
     eval_prompts: Path | None = typer.Option(None, help="held-out prompts (JSONL) for tau during training"),
     eval_every: int | None = typer.Option(None, help="measure tau every N steps (needs --eval-prompts)"),
     wandb: bool = typer.Option(False, "--wandb", help="also log to Weights & Biases (offline by default)"),
+    fsdp: bool = typer.Option(
+        False, "--fsdp", help="shard the drafter over the drafter ranks (FSDP2) instead of replicating it"
+    ),
     plan: bool = typer.Option(
         False, "--plan", help="print layout, memory per rank and balance; do not train"
     ),
@@ -54,7 +57,7 @@ def train(
     rendezvous with no other change).
     """
     if plan:
-        _print_plan(preset, config, target, layout, nproc or int(os.environ.get("WORLD_SIZE", "1")))
+        _print_plan(preset, config, target, layout, nproc or int(os.environ.get("WORLD_SIZE", "1")), fsdp)
         return
     if nproc is not None and "LOCAL_RANK" not in os.environ:
         _launch(nproc)
@@ -77,6 +80,7 @@ def train(
         over = {"max_steps": max_steps, "save_every": save_every, "seed": seed, "keep_last": keep_last}
         over |= {
             "wandb": wandb or None,
+            "fsdp": fsdp or None,
             "eval_every": eval_every,
             "eval_prompts": str(eval_prompts) if eval_prompts else None,
         }
@@ -95,14 +99,14 @@ def train(
     trainer.close()
 
 
-def _print_plan(preset: str, config: Path | None, target: str, layout: str, world: int) -> None:
+def _print_plan(preset: str, config: Path | None, target: str, layout: str, world: int, fsdp: bool) -> None:
     from transformers import AutoConfig
 
     from flashdraft.config import resolve_config
     from flashdraft.dist.plan import make_plan
 
     try:
-        cfg = resolve_config(preset, config)
+        cfg = resolve_config(preset, config, fsdp=fsdp or None)
         plan = make_plan(cfg, AutoConfig.from_pretrained(target), layout, world)
     except (ValueError, OSError) as e:
         _fail(str(e))

@@ -2,8 +2,8 @@
 printed before anything is loaded (the target's config only, no weights).
 
 Memory per rank: target weights (bf16, up to the last tapped layer) on target ranks; on drafter
-ranks the drafter's fp32 weights, gradients and two AdamW moments (16 bytes a parameter) plus the
-target's embedding and lm_head. Balance: model FLOPs of one micro-batch on each side, divided by
+ranks the drafter's fp32 weights, gradients and two AdamW moments (16 bytes a parameter, divided
+over the drafter ranks with fsdp) plus the target's embedding and lm_head. Balance: model FLOPs of one micro-batch on each side, divided by
 the ranks of that side; the slower side sets the pace and the other side idles by the difference.
 """
 
@@ -72,7 +72,7 @@ def make_plan(cfg: TrainConfig, target_config, layout: str, world_size: int) -> 
         world_size=world_size,
         roles=roles,
         target_gib=(kept * layer_params + head_params) * 2 / gib,
-        drafter_gib=(16 * drafter_params + 2 * head_params) / gib,
+        drafter_gib=(16 * drafter_params / (lay.drafters if cfg.fsdp else 1) + 2 * head_params) / gib,
         target_tflop_per_micro=target_tf,
         drafter_tflop_per_micro=drafter_tf,
         target_share=share,

@@ -55,9 +55,15 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def write_zlab(drafter: DFlashDrafter, out_dir: Path, dtype: torch.dtype = torch.bfloat16) -> None:
-    """Write config.json + model.safetensors into an existing directory (fsynced)."""
-    state = {k: v.detach().to("cpu", dtype).contiguous() for k, v in drafter.state_dict().items()}
+def write_zlab(
+    drafter: DFlashDrafter, out_dir: Path, dtype: torch.dtype = torch.bfloat16, weights: dict | None = None
+) -> None:
+    """Write config.json + model.safetensors into an existing directory (fsynced).
+
+    weights: the drafter's full state dict when its own holds shards; default drafter.state_dict().
+    """
+    weights = drafter.state_dict() if weights is None else weights
+    state = {k: v.detach().to("cpu", dtype).contiguous() for k, v in weights.items()}
     save_file(state, str(out_dir / WEIGHTS), metadata={"format": "pt"})
     (out_dir / CONFIG).write_text(json.dumps(zlab_config(drafter), indent=2, sort_keys=True))
     for name in (WEIGHTS, CONFIG):
@@ -66,7 +72,11 @@ def write_zlab(drafter: DFlashDrafter, out_dir: Path, dtype: torch.dtype = torch
 
 
 def save_checkpoint(
-    drafter: DFlashDrafter, ckpt_root: Path, step: int, extra_files: dict | None = None
+    drafter: DFlashDrafter,
+    ckpt_root: Path,
+    step: int,
+    extra_files: dict | None = None,
+    weights: dict | None = None,
 ) -> Path:
     """RUN/checkpoints/step_NNNNNN, complete or absent; then LATEST names it."""
     ckpt_root.mkdir(parents=True, exist_ok=True)
@@ -75,7 +85,7 @@ def save_checkpoint(
     tmp = ckpt_root / f".tmp-{name}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
-    write_zlab(drafter, tmp)
+    write_zlab(drafter, tmp, weights=weights)
     for fname, writer in (extra_files or {}).items():
         writer(tmp / fname)
     _fsync_dir(tmp)

@@ -13,6 +13,7 @@ imports torch.distributed; parallelism and compilation are applied from outside.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -59,6 +60,14 @@ class Visibility:
     compiled: bool = False
 
 
+class Context(NamedTuple):
+    """Fused context rows [b, S, D] and their RoPE: what each layer projects to its own keys and values."""
+
+    rows: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     # x: [b, h, n, d]; cos/sin: [b, n, d]
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
@@ -94,9 +103,11 @@ class DFlashAttention(nn.Module):
         self,
         x: torch.Tensor,
         block_rope: tuple[torch.Tensor, torch.Tensor],
-        ctx_kv: tuple[torch.Tensor, torch.Tensor],
+        ctx_kv: tuple[torch.Tensor, torch.Tensor] | Context,
         visibility: Visibility,
     ) -> torch.Tensor:
+        if isinstance(ctx_kv, Context):
+            ctx_kv = self.context_kv(*ctx_kv)
         cos, sin = block_rope
         q = self.q_norm(self._heads(self.q_proj(x), self.num_heads)).transpose(1, 2)
         q = _rope(q, cos, sin)
@@ -172,10 +183,13 @@ class DFlashDrafter(nn.Module):
         block_embeds: target embeddings of the block tokens [b, Q, D]; block_positions [b, Q];
         visibility: over keys [context | block]. The context comes either as `ctx_kv` (from
         `context_kv`, as a KV cache holds it at inference) or, in training, as raw tapped
-        `target_features` [b, S, N*D] at `ctx_positions` [b, S], fused and projected here.
+        `target_features` [b, S, N*D] at `ctx_positions` [b, S], fused here and projected by each layer.
         """
         if ctx_kv is None:
-            ctx_kv = self.context_kv(self.fuse(target_features), ctx_positions)
+            # each layer projects the context inside its own forward, where a wrapper that gathers a
+            # layer's weights around its forward (FSDP2) finds them
+            context = self.fuse(target_features)
+            ctx_kv = [Context(context, *self.rotary_emb(context, ctx_positions))] * len(self.layers)
         rope = self.rotary_emb(block_embeds, block_positions)
         x = block_embeds
         for layer, kv in zip(self.layers, ctx_kv, strict=True):

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from flashdraft.config import TrainConfig
+from flashdraft.dist.parallel import load_full_state
 
 STATE = "trainer_state.pt"
 log = logging.getLogger(__name__)
@@ -33,13 +34,15 @@ _FIXED = [
 ]
 
 
-def trainer_state_writer(trainer):
+def trainer_state_writer(trainer, weights: dict, optimizer: dict):
+    """weights, optimizer: the drafter's and optimizer's full state (dist.parallel.full_state)."""
+
     def write(path: Path) -> None:
         state = {
             "step": trainer.step,
             "micro_per_step": trainer.cfg.grad_accum * trainer.topo.num_drafters,
-            "master": {k: v.detach().cpu() for k, v in trainer.drafter.state_dict().items()},
-            "optimizer": trainer.optimizer.state_dict(),
+            "master": {k: v.detach().cpu() for k, v in weights.items()},
+            "optimizer": optimizer,
             "scheduler": trainer.scheduler.state_dict(),
             "config": trainer.cfg.model_dump(mode="json"),
         }
@@ -77,8 +80,7 @@ def load_trainer_state(ckpt: Path, trainer) -> int:
         raise ValueError(f"cannot resume from {ckpt}: no {STATE} (an export, not a training checkpoint?)")
     saved = torch.load(path, map_location="cpu", weights_only=True)
     check_resumable(saved, trainer.cfg, trainer.cfg.grad_accum * trainer.topo.num_drafters, ckpt)
-    trainer.drafter.load_state_dict(saved["master"])
-    trainer.optimizer.load_state_dict(saved["optimizer"])
+    load_full_state(trainer.drafter, trainer.optimizer, saved["master"], saved["optimizer"])
     for group in trainer.optimizer.param_groups:  # a changed learning rate applies from here on
         group["initial_lr"] = trainer.cfg.optim.lr
     trainer.scheduler.base_lrs = [trainer.cfg.optim.lr for _ in trainer.scheduler.base_lrs]

@@ -8,7 +8,6 @@ micro-batches this rank trains on, and whether its features come from its own ta
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import json
 import math
@@ -18,11 +17,11 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel
 
 from flashdraft.config import TrainConfig, save_config
 from flashdraft.data.packing import MicroBatchStream, PackedLoader, load_token_dataset
 from flashdraft.dist.exchange import MessageShape, RemoteFeatures, serve_features
+from flashdraft.dist.parallel import clip_grad_norm, full_state, gradient_sync, parallelize, sharding_line
 from flashdraft.dist.topology import Topology, init_topology
 from flashdraft.model.checkpoint import (
     latest_checkpoint,
@@ -291,9 +290,9 @@ class Trainer:
             self.cache_dir = use_cache_dir(None, self.device)
             for layer in drafter.layers:
                 layer.compile(dynamic=False)
-        self.model = drafter
-        if self.topo.num_drafters > 1 and self.topo.is_drafter:
-            self.model = DistributedDataParallel(drafter, process_group=self.topo.drafter_group)
+        self.model = parallelize(drafter, self.topo, cfg.fsdp)
+        if cfg.fsdp and self.topo.is_main:
+            print(sharding_line(drafter), flush=True)
         self.optimizer = torch.optim.AdamW(
             drafter.parameters(),
             lr=cfg.optim.lr,
@@ -399,14 +398,11 @@ class Trainer:
         micro = [mb for mb, _ in planned]
         # the loss is normalised by the weight sum of the whole global step, over every rank
         weight_sum = self._all_reduce(sum(mb.blocks.weights.sum() for mb in micro)).clamp(min=1e-6)
-        scale = self.topo.num_drafters  # DDP averages gradients over drafter ranks
+        scale = self.topo.num_drafters  # DDP and FSDP2 average gradients over drafter ranks
         stats = StepStats.zeros(self.drafter.block_size, self.device)
         stats.ctx_tokens = sum(n for _, n in planned)
         for i, mb in enumerate(micro):
-            last = i == len(micro) - 1
-            ddp = isinstance(self.model, DistributedDataParallel)
-            sync = self.model.no_sync() if ddp and not last else contextlib.nullcontext()
-            with sync:
+            with gradient_sync(self.model, enabled=i == len(micro) - 1):
                 with self._autocast():
                     out = micro_step_loss(
                         self.model,
@@ -421,7 +417,7 @@ class Trainer:
                     (out.weighted_ce * scale / weight_sum).backward()
             stats.add(out, mb)
         with timer("optimizer"):
-            stats.grad_norm = torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), cfg.optim.grad_clip)
+            stats.grad_norm = clip_grad_norm(self.drafter.parameters(), cfg.optim.grad_clip)
             # a non-finite loss or gradient skips the update on the device, with no host sync;
             # the host reads the count at log and save steps
             bad = ~torch.isfinite(stats.grad_norm)
@@ -585,21 +581,23 @@ class Trainer:
         return {"throughput": {k: self.last_metrics[k] for k in keys if k in self.last_metrics}}
 
     def save(self) -> Path | None:
-        """Checkpoint on the main rank (complete or absent); every drafter rank waits for it.
+        """Checkpoint on the main rank (complete or absent); every drafter rank takes part in gathering
+        a sharded drafter's state and waits for the checkpoint.
 
         Older checkpoints beyond `keep_last` are pruned once this one is complete, and with an S3
         mirror only once this one's upload is confirmed.
         """
         path = None
+        weights, optim = full_state(self.drafter, self.optimizer, keep=self.topo.is_main)
         if self.topo.is_main:
             extra = {
-                "trainer_state.pt": trainer_state_writer(self),
+                "trainer_state.pt": trainer_state_writer(self, weights, optim),
                 ENV_FILE: lambda p: write_fingerprint(p, self._fingerprint_extra()),
             }
             if self.compiled:
                 extra[ARTIFACTS] = artifacts_writer()
             root = self.out / "checkpoints"
-            path = save_checkpoint(self.drafter, root, self.step, extra)
+            path = save_checkpoint(self.drafter, root, self.step, extra, weights)
             keep = self.cfg.keep_last
             if self.mirror is not None:
                 prune = (lambda done: prune_checkpoints(root, keep, protect=done)) if keep else None
