@@ -16,11 +16,10 @@ See flashdraft.demo.proof.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 from pathlib import Path
 
 from flashdraft.demo.pipeline import H200
-from flashdraft.demo.proof import run_proof
+from flashdraft.demo.proof import SMOKE, run_proof
 
 
 def main() -> None:
@@ -31,22 +30,7 @@ def main() -> None:
     ap.add_argument("--no-reference", action="store_true", help="skip the reference dflash package")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU: check the flow only")
     args = ap.parse_args()
-    scale = H200
-    if args.smoke:
-        scale = dataclasses.replace(
-            H200,
-            device="cpu",
-            vocab_size=512,
-            target=dict(hidden=64, layers=8, heads=4, kv_heads=2),
-            target_batch=8,
-            conversations=64,
-            regen_batch=32,
-            response_tokens=32,
-            drafter={"drafter.num_layers": 1, "drafter.num_taps": 3, "data.seq_len": 512, "num_anchors": 32},
-            drafter_step_s=1.0,
-            eval_prompts=4,
-            source_bytes=3_000_000,
-        )
+    scale = SMOKE if args.smoke else H200
     run_proof(args.out, args.minutes, scale, not args.no_ablations, not args.no_reference)
 
 

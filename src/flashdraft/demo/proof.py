@@ -13,6 +13,7 @@ with the drafter trained by `flashdraft train`, ablations, T = 0 and T = 1, and 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -26,7 +27,7 @@ import yaml
 from rich.console import Console
 from rich.table import Table
 
-from flashdraft.demo.pipeline import Scale, _Clock, prepare
+from flashdraft.demo.pipeline import H200, Scale, _Clock, prepare
 
 # name -> config overrides on top of the scale's drafter; "main" is the proof, the others ablations
 VARIANTS: dict[str, dict] = {
@@ -34,6 +35,23 @@ VARIANTS: dict[str, dict] = {
     "no_target_features": {"drafter.target_layer_ids": [-1]},
     "taps_5": {"drafter.num_taps": 5},
 }
+
+
+# the same flow with tiny shapes on a CPU (about 2 minutes): checks the flow, proves nothing
+SMOKE = dataclasses.replace(
+    H200,
+    device="cpu",
+    vocab_size=512,
+    target=dict(hidden=64, layers=8, heads=4, kv_heads=2),
+    target_batch=8,
+    conversations=64,
+    regen_batch=32,
+    response_tokens=32,
+    drafter={"drafter.num_layers": 1, "drafter.num_taps": 3, "data.seq_len": 512, "num_anchors": 32},
+    drafter_step_s=1.0,
+    eval_prompts=4,
+    source_bytes=3_000_000,
+)
 
 
 def _nested(dotted: dict) -> dict:

@@ -1,0 +1,29 @@
+"""The proof script's flow at smoke scale on the CPU, so that it cannot rot between GPU sessions."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from flashdraft.demo.proof import SMOKE, VARIANTS, run_proof
+
+pytestmark = pytest.mark.slow
+
+
+def test_the_proof_runs_every_stage_and_the_reference_package_agrees(tmp_path):
+    pytest.importorskip("dflash.model", reason="reference package: pip install --no-deps dflash==0.1.0")
+    run_proof(tmp_path, 1.0, SMOKE)
+    s = json.loads((tmp_path / "proof.json").read_text())
+    assert set(s["drafters"]) == set(VARIANTS)
+    for name, d in s["drafters"].items():
+        assert d["steps"] >= 50 and 1.0 <= d["tau_train"] <= 16.0
+        assert name == "main" or 1.0 <= d["tau"] <= 16.0
+    ablation = Path(s["drafters"]["no_target_features"]["checkpoint"])
+    config = json.loads((ablation / "config.json").read_text())
+    assert config["dflash_config"]["target_layer_ids"] == [-1]
+    for key in ("tau_T0", "tau_T1", "tau_ngram_T0", "tau_ngram_T1"):
+        assert 1.0 <= s[key] <= 16.0
+    # fp32 on the CPU: the reference decodes our export with our acceptance lengths, sample by sample
+    assert s["reference"]["samples_with_our_tau"] == SMOKE.eval_prompts
+    assert s["reference"]["tau"] == pytest.approx(s["tau_T0"])
+    assert set(s["seconds"]) >= {"target_s", "drafters_s", "eval_T0_s", "reference_s", "eval_T1_s"}
