@@ -7,6 +7,8 @@ Target ranks keep two sends in flight (double buffering), so computing the next 
 overlaps sending the last; drafter ranks post the receive of their next micro-batch before
 training on the current one. Micro-batch m goes from target rank m % T to drafter rank m % D;
 messages between one pair arrive in order, so both sides agree on m without a handshake.
+Over gloo (several ranks sharing one GPU) messages are staged in host memory: gloo cannot send
+CUDA tensors.
 """
 
 from __future__ import annotations
@@ -86,9 +88,10 @@ def serve_features(
             torch.cuda.current_stream().synchronize()
         clock.add(time.perf_counter() - t0)
         dst = topo.drafter_rank_for(m)
+        wire = topo.wire_device
         ops = [
-            dist.P2POp(dist.isend, pack_header(batch, clock.fraction()), dst),
-            dist.P2POp(dist.isend, feats, dst),
+            dist.P2POp(dist.isend, pack_header(batch, clock.fraction()).to(wire), dst),
+            dist.P2POp(dist.isend, feats.to(wire), dst),
         ]
         in_flight.append(dist.batch_isend_irecv(ops))
         if len(in_flight) > 2:
@@ -110,7 +113,7 @@ class RemoteFeatures:
         self.target_busy = 0.0
 
     def _post(self, m: int) -> None:
-        header, feats = self.shape.empty(self.topo.device)
+        header, feats = self.shape.empty(self.topo.wire_device)
         src = self.topo.target_rank_for(m)
         ops = [dist.P2POp(dist.irecv, header, src), dist.P2POp(dist.irecv, feats, src)]
         self.pending[m] = (dist.batch_isend_irecv(ops), header, feats)
@@ -127,5 +130,5 @@ class RemoteFeatures:
         if self.topo.device.type == "cuda":
             torch.cuda.current_stream().synchronize()
         self.wait_s += time.perf_counter() - t0
-        batch, self.target_busy = unpack_header(header, self.shape)
-        return batch, feats
+        batch, self.target_busy = unpack_header(header.to(self.topo.device), self.shape)
+        return batch, feats.to(self.topo.device)

@@ -35,6 +35,11 @@ def parallelize(drafter: nn.Module, topo: Topology, fsdp: bool = False) -> nn.Mo
         return drafter
     if not fsdp:
         return DistributedDataParallel(drafter, process_group=topo.drafter_group)
+    if topo.device.type == "cuda" and topo.backend == "gloo":
+        raise ValueError(
+            "--fsdp on GPUs needs NCCL: gloo cannot all-gather CUDA tensors (use --backend auto, one GPU "
+            "per rank, or DDP to share one GPU between ranks)"
+        )
     mesh = DeviceMesh.from_group(topo.drafter_group, topo.device.type)
     for layer in drafter.layers:
         fully_shard(layer, mesh=mesh)
@@ -97,9 +102,7 @@ def load_full_state(drafter: nn.Module, optimizer: torch.optim.Optimizer, weight
         params = dict(drafter.named_parameters())
         weights = {k: _shard_like(v, params[k]) for k, v in weights.items()}
         by_index = [p for group in optimizer.param_groups for p in group["params"]]
-        state = {
-            i: {k: _shard_like(v, by_index[i]) for k, v in s.items()} for i, s in optim["state"].items()
-        }
+        state = {i: {k: _shard_like(v, by_index[i]) for k, v in s.items()} for i, s in optim["state"].items()}
         optim = {**optim, "state": state}
     drafter.load_state_dict(weights)
     optimizer.load_state_dict(optim)

@@ -31,7 +31,9 @@ class Plan:
     def lines(self) -> list[str]:
         out = [f"layout {self.layout} on {self.world_size} process(es)"]
         out += [f"  rank {r}: {role}" for r, role in enumerate(self.roles)]
-        out.append(f"memory: target ranks ~{self.target_gib:.1f} GiB of weights, drafter ranks ~{self.drafter_gib:.1f} GiB")
+        out.append(
+            f"memory: target ranks ~{self.target_gib:.1f} GiB of weights, drafter ranks ~{self.drafter_gib:.1f} GiB"
+        )
         out.append(
             f"work per micro-batch: target {self.target_tflop_per_micro:.1f} TFLOP, "
             f"drafter {self.drafter_tflop_per_micro:.1f} TFLOP"
@@ -54,10 +56,17 @@ def make_plan(cfg: TrainConfig, target_config, layout: str, world_size: int) -> 
     t = target_config
     head_params = 2 * t.vocab_size * t.hidden_size
     layer_params = _params_per_layer(t)
-    drafter_params = _params_per_layer(dcfg) * dcfg.num_hidden_layers + len(dcfg.target_layer_ids) * t.hidden_size**2
+    drafter_params = (
+        _params_per_layer(dcfg) * dcfg.num_hidden_layers + len(dcfg.target_layer_ids) * t.hidden_size**2
+    )
     b = cfg.data.rows_per_batch
     flops = step_flops(
-        t, dcfg, kept, cfg.data.seq_len, cfg.num_anchors * spec.block_size, cfg.num_anchors * (spec.block_size - 1)
+        t,
+        dcfg,
+        kept,
+        cfg.data.seq_len,
+        cfg.num_anchors * spec.block_size,
+        cfg.num_anchors * (spec.block_size - 1),
     )
     target_tf, drafter_tf = b * flops["target"] / 1e12, b * flops["drafter"] / 1e12
     if lay.kind == "colocated":

@@ -52,10 +52,17 @@ class Topology:
     layout: Layout = field(default_factory=lambda: Layout("colocated", 1, 1))
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     drafter_group: object | None = None  # process group of drafter ranks (gradient all-reduce)
+    backend: str = "gloo"
 
     @property
     def distributed(self) -> bool:
         return self.world_size > 1
+
+    @property
+    def wire_device(self) -> torch.device:
+        """Where point-to-point messages live: gloo sends only CPU tensors, so ranks sharing one GPU
+        over gloo stage features through host memory (slower, for testing layouts on one GPU)."""
+        return torch.device("cpu") if self.backend == "gloo" else self.device
 
     @property
     def is_target(self) -> bool:
@@ -132,6 +139,7 @@ def init_topology(layout: str = "colocated", device: str | None = None, backend:
     if world > 1:
         if backend == "auto":
             backend = "nccl" if dev.type == "cuda" else "gloo"
+        topo.backend = backend
         dist.init_process_group(
             backend, timeout=timedelta(minutes=30), device_id=dev if backend == "nccl" else None
         )
