@@ -28,10 +28,13 @@ def main() -> None:
     ap.add_argument("--minutes", type=float, default=9.0, help="time budget of the whole run")
     ap.add_argument("--no-ablations", action="store_true", help="train the main drafter only")
     ap.add_argument("--no-reference", action="store_true", help="skip the reference dflash package")
+    ap.add_argument(
+        "--resume", action="store_true", help="finish a killed proof in --out (keeps done stages)"
+    )
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU: check the flow only")
     args = ap.parse_args()
     scale = SMOKE if args.smoke else H200
-    run_proof(args.out, args.minutes, scale, not args.no_ablations, not args.no_reference)
+    run_proof(args.out, args.minutes, scale, not args.no_ablations, not args.no_reference, args.resume)
 
 
 if __name__ == "__main__":

@@ -27,3 +27,18 @@ def test_the_proof_runs_every_stage_and_the_reference_package_agrees(tmp_path):
     assert s["reference"]["samples_with_our_tau"] == SMOKE.eval_prompts
     assert s["reference"]["tau"] == pytest.approx(s["tau_T0"])
     assert set(s["seconds"]) >= {"target_s", "drafters_s", "eval_T0_s", "reference_s", "eval_T1_s"}
+
+    # a run killed after its drafters: --resume trains nothing again and measures what is missing
+    with pytest.raises(FileExistsError, match="--resume"):
+        run_proof(tmp_path, 1.0, SMOKE)
+    cut = json.loads(json.dumps({k: v for k, v in s.items() if k not in ("tau_T1", "reference")}))
+    cut["drafters"]["taps_5"].pop("tau")
+    (tmp_path / "proof.json").write_text(json.dumps(cut))
+    trained = {p: p.stat().st_mtime_ns for p in tmp_path.glob("runs/*/checkpoints/*/model.safetensors")}
+    again = run_proof(tmp_path, 1.0, SMOKE, resume=True)
+    assert {
+        p: p.stat().st_mtime_ns for p in tmp_path.glob("runs/*/checkpoints/*/model.safetensors")
+    } == trained
+    assert again["tau_T1"] == pytest.approx(s["tau_T1"])  # same seed, same drafter: same samples
+    assert again["drafters"]["taps_5"]["tau"] == s["drafters"]["taps_5"]["tau"]
+    assert again["reference"]["samples_with_our_tau"] == SMOKE.eval_prompts

@@ -228,14 +228,22 @@ def prepare(out: Path, budget_s: float, scale: Scale, console: Console) -> Prepa
 
 
 class _Clock:
+    """Seconds per named stage (`lap`), and since the last `restart`."""
+
     def __init__(self):
-        self.last = time.time()
+        self.last = self.start = time.time()
         self.laps: dict[str, float] = {}
 
     def lap(self, name: str) -> None:
         now = time.time()
         self.laps[name] = round(now - self.last, 1)
         self.last = now
+
+    def since_start(self) -> float:
+        return time.time() - self.start
+
+    def restart(self) -> None:
+        self.start = time.time()
 
 
 def run_pipeline(out: Path, budget_minutes: float, scale: Scale) -> dict:

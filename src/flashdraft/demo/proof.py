@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -73,13 +74,15 @@ class DrafterRun:
     log: Path
 
 
-def start_drafter(name: str, prep, out: Path, scale: Scale, steps: int, extra: dict) -> DrafterRun:
+def start_drafter(
+    name: str, target_dir: Path, data_dir: Path, out: Path, scale: Scale, steps: int, extra: dict
+) -> DrafterRun:
     """`flashdraft train` in a subprocess."""
     run_dir = out / "runs" / name
     run_dir.parent.mkdir(parents=True, exist_ok=True)
     config = {**scale.drafter, **extra, "log_every": 25}
-    cmd = [sys.executable, "-m", "flashdraft.cli.main", "train", "--target", str(prep.target_dir)]
-    cmd += ["--data", str(prep.data_dir), "--out", str(run_dir), "--preset", scale.preset]
+    cmd = [sys.executable, "-m", "flashdraft.cli.main", "train", "--target", str(target_dir)]
+    cmd += ["--data", str(data_dir), "--out", str(run_dir), "--preset", scale.preset]
     cmd += ["--device", scale.device, "--max-steps", str(steps)]
     config_path = out / "runs" / f"{name}.yaml"
     config_path.write_text(yaml.safe_dump(_nested(config)))
@@ -137,60 +140,85 @@ def reference_tau(
     return {"tau": mean_tau(taus), "tau_per_sample": taus}
 
 
-def run_proof(out: Path, budget_minutes: float, scale: Scale, ablations: bool = True, reference: bool = True):
+def run_proof(
+    out: Path,
+    budget_minutes: float,
+    scale: Scale,
+    ablations: bool = True,
+    reference: bool = True,
+    resume: bool = False,
+) -> dict:
+    """Every stage in order; OUT/proof.json is rewritten after each. resume=True keeps the stages an
+    earlier (killed) run of the same OUT finished and does the rest."""
     from flashdraft.eval.report import compare_methods, write_report
-    from flashdraft.eval.spec import encode_prompt, eval_tau
+    from flashdraft.eval.spec import encode_prompt, eval_tau, read_prompts
     from flashdraft.export.formats import export_checkpoint
     from flashdraft.model.checkpoint import load_drafter
     from flashdraft.model.target import load_target
 
     console = Console(width=None if sys.stdout.isatty() else 120)
     out = Path(out)
+    record = out / "proof.json"
+    if record.exists() and not resume:
+        raise FileExistsError(f"{record} exists: pass --resume to finish that proof, or another --out")
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
     t_start = time.time()
     budget = 60 * budget_minutes
-    prep = prepare(out, budget, scale, console)
-    prompts_path = out / "eval" / "prompts.jsonl"
-    prompts_path.parent.mkdir(parents=True, exist_ok=True)
-    prompts_path.write_text("".join(json.dumps({"messages": m}) + "\n" for m in prep.eval_prompts))
-
+    summary = json.loads(record.read_text()) if record.exists() else {}
     clock = _Clock()
-    remaining = budget - (time.time() - t_start)
-    steps = max(50, int(scale.drafter_share * remaining / scale.drafter_step_s))
-    names = list(VARIANTS) if ablations else ["main"]
-    console.print(f"drafters {names}: {steps} steps each, trained together ({remaining:.0f} s left)")
-    runs = [start_drafter(n, prep, out, scale, steps, VARIANTS[n]) for n in names]
-    drafters = {r.name: finish_drafter(r) for r in runs}
-    clock.lap("drafters_s")
-
-    summary = {
-        "device": torch.cuda.get_device_name() if scale.device == "cuda" else "cpu",
-        "torch": torch.__version__,
-        **prep.summary,
-        "drafter": dict(scale.drafter),
-        "drafters": drafters,
-    }
+    laps = dict(summary.get("seconds", {}))
 
     def save(**more) -> None:  # after every stage, so a run cut short keeps what it measured
-        summary.update(more, wall_s=round(time.time() - t_start, 1))
-        summary["seconds"] = prep.summary["seconds"] | clock.laps
-        (out / "proof.json").write_text(json.dumps(summary, indent=2) + "\n")
+        summary.update(more)
+        summary["wall_s"] = round(summary.get("wall_s", 0) + clock.since_start(), 1)
+        clock.restart()
+        summary["seconds"] = laps | clock.laps
+        record.write_text(json.dumps(summary, indent=2) + "\n")
 
-    save()
+    prompts_path = out / "eval" / "prompts.jsonl"
+    if "target_dir" not in summary:
+        prep = prepare(out, budget, scale, console)
+        prompts_path.parent.mkdir(parents=True, exist_ok=True)
+        prompts_path.write_text("".join(json.dumps({"messages": m}) + "\n" for m in prep.eval_prompts))
+        laps |= prep.summary.pop("seconds")
+        save(
+            device=torch.cuda.get_device_name() if scale.device == "cuda" else "cpu",
+            torch=torch.__version__,
+            target_dir=str(prep.target_dir),
+            data_dir=str(prep.data_dir),
+            **prep.summary,
+        )
+    target_dir = Path(summary["target_dir"])
+    prompts = read_prompts(prompts_path)
+
+    names = list(VARIANTS) if ablations else ["main"]
+    if set(names) - set(summary.get("drafters", {})):
+        remaining = budget - (time.time() - t_start)
+        steps = max(50, int(scale.drafter_share * remaining / scale.drafter_step_s))
+        console.print(f"drafters {names}: {steps} steps each, trained together ({remaining:.0f} s left)")
+        shutil.rmtree(out / "runs", ignore_errors=True)  # a killed earlier attempt: train again
+        data = Path(summary["data_dir"])
+        runs = [start_drafter(n, target_dir, data, out, scale, steps, VARIANTS[n]) for n in names]
+        drafters = {r.name: finish_drafter(r) for r in runs}
+        clock.lap("drafters_s")
+        save(drafter=dict(scale.drafter), drafters=drafters)
+    drafters = summary["drafters"]
     main = drafters["main"]
 
     def evaluate(temperature: float) -> None:
+        t = f"T{temperature:g}"
+        if f"tau_{t}" in summary:
+            return
         report = compare_methods(
-            prep.target_dir,
+            target_dir,
             main["checkpoint"],
-            prep.eval_prompts,
+            prompts,
             max_new_tokens=scale.response_tokens,
             temperature=temperature,
             device=scale.device,
         )
-        write_report(report, out / "eval" / f"report_T{temperature:g}.json")
-        t = f"T{temperature:g}"
+        write_report(report, out / "eval" / f"report_{t}.json")
         clock.lap(f"eval_{t}_s")
         save(
             **{
@@ -199,22 +227,28 @@ def run_proof(out: Path, budget_minutes: float, scale: Scale, ablations: bool = 
                 f"speedup_{t}": report["speedup"],
                 f"acceptance_by_position_{t}": report["dflash"]["acceptance_by_position"],
             }
+            | (
+                {"identical_to_autoregressive_T0": report.get("identical_to_autoregressive")}
+                if t == "T0"
+                else {}
+            )
         )
-        if temperature == 0:
-            save(identical_to_autoregressive_T0=report.get("identical_to_autoregressive"))
 
     evaluate(0.0)
-    model, tokenizer = load_target(prep.target_dir, scale.device)
-    prompt_ids = [encode_prompt(tokenizer, m) for m in prep.eval_prompts]
+    model, tokenizer = load_target(target_dir, scale.device)
+    prompt_ids = [encode_prompt(tokenizer, m) for m in prompts]
     for name in names[1:]:
-        drafter = load_drafter(drafters[name]["checkpoint"], scale.device, dtype=model.dtype).eval()
-        drafters[name]["tau"] = eval_tau(model, tokenizer, drafter, prompt_ids, scale.response_tokens)
-    clock.lap("ablation_eval_s")
-    save()
+        if "tau" not in drafters[name]:
+            drafter = load_drafter(drafters[name]["checkpoint"], scale.device, dtype=model.dtype).eval()
+            drafters[name]["tau"] = eval_tau(model, tokenizer, drafter, prompt_ids, scale.response_tokens)
+            clock.lap(f"eval_{name}_s")
+            save()
 
-    if reference:
-        export_dir = export_checkpoint(Path(main["checkpoint"]), "zlab", out / "export" / "zlab")
-        ref = reference_tau(export_dir, prep.target_dir, prompt_ids, scale.response_tokens, scale.device)
+    if reference and "reference" not in summary:
+        export_dir = out / "export" / "zlab"
+        if not export_dir.exists():  # the export is atomic: a directory there is complete
+            export_checkpoint(Path(main["checkpoint"]), "zlab", export_dir)
+        ref = reference_tau(export_dir, target_dir, prompt_ids, scale.response_tokens, scale.device)
         ours = json.loads((out / "eval" / "report_T0.json").read_text())["dflash"]["tau_per_sample"]
         same = [abs(a - b) < 1e-6 for a, b in zip(ref["tau_per_sample"], ours, strict=True)]
         ref["samples_with_our_tau"] = sum(same)
