@@ -13,9 +13,10 @@ from flashdraft.train.flops import step_flops
 def test_bench_tiny_reports_throughput_mfu_and_phases(tmp_path):
     out = tmp_path / "bench.json"
     args = ["bench", "--shape", "tiny", "--seq-len", "128", "--anchors", "8", "--steps", "2", "--warmup", "1"]
-    result = CliRunner().invoke(app, [*args, "--device", "cpu", "--json", str(out)])
+    result = CliRunner().invoke(app, [*args, "--device", "cpu", "--no-recompute-logits", "--json", str(out)])
     assert result.exit_code == 0, result.output
     r = json.loads(out.read_text())
+    assert r["settings"]["recompute_logits"] is False  # the option reached the trainer
     assert r["ctx_tok_s"] > 0 and r["draft_pos_s"] > 0 and 0 < r["mfu"] < 1
     phases = {"target_forward", "block_mask", "drafter_forward", "loss_forward", "backward", "optimizer"}
     assert phases <= set(r["phases_ms"])

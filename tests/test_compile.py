@@ -37,3 +37,37 @@ def test_a_recompile_after_warm_up_stops_the_run_with_a_clear_message(tmp_path, 
             trainer.train_step_guarded()
     finally:
         torch.compiler.set_stance("default")
+
+
+def test_a_compiled_target_computes_the_eager_features_without_recompiling(
+    tmp_path, tiny_target_dir, monkeypatch
+):
+    from flashdraft.model.target import Target, load_target
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", os.environ.get("TORCHINDUCTOR_CACHE_DIR", ""))
+    save_token_dataset(random_docs([70, 90, 120, 60] * 2, seed=1, prompt_len=10), tmp_path / "data")
+    over = {"data.seq_len": 128, "data.rows_per_batch": 2, "num_anchors": 8, "max_steps": 4, "compile": True}
+    over.update({"drafter.num_layers": 1, "drafter.num_taps": 2, "compile_target": True})
+    cfg = resolve_config("default", **over)
+    trainer = build_trainer(cfg, tiny_target_dir, tmp_path / "data", tmp_path / "run", device="cpu")
+    try:
+        layers = trainer.target.model.get_decoder().layers
+        assert all(hasattr(layer.forward, "_torchdynamo_orig_callable") for layer in layers)
+        trainer.train_step_guarded()  # warm-up compiles the target layers too
+        trainer.train_step_guarded()  # a recompile here would be an error
+        batch = trainer.stream[0]
+        eager = Target(load_target(tiny_target_dir)[0], trainer.target.layer_ids, truncate=True)
+        torch.testing.assert_close(
+            trainer.target.features(batch.input_ids, batch.position_ids),
+            eager.features(batch.input_ids, batch.position_ids),
+        )
+    finally:
+        torch.compiler.set_stance("default")
+    with pytest.raises(ValueError, match="compile_target needs compile"):
+        build_trainer(
+            resolve_config("default", **{**over, "compile": False}),
+            tiny_target_dir,
+            tmp_path / "data",
+            tmp_path / "run2",
+            device="cpu",
+        )

@@ -106,6 +106,7 @@ class BenchResult:
     first_step_phases_ms: dict
     compile_report: str
     steps: int
+    settings: dict  # what the trainer ran with (read back from its config, not from the arguments)
 
 
 def run_bench(
@@ -120,6 +121,7 @@ def run_bench(
     device: str | None = None,
     recompute_logits: bool = True,
     compile: bool | None = None,
+    compile_target: bool = False,
 ) -> BenchResult:
     t_start = time.perf_counter()
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -137,6 +139,7 @@ def run_bench(
             "max_steps": warmup + steps,
             "recompute_logits": recompute_logits,
             "compile": compile,
+            "compile_target": compile_target,
         },
     )
     mask_id = QWEN3_MASK_ID if tcfg.vocab_size == QWEN3_VOCAB else tcfg.vocab_size - 1
@@ -194,6 +197,14 @@ def run_bench(
         first_step_phases_ms=first_phases,
         compile_report=trainer.compile_report.line() if trainer.compile_report else "not compiled",
         steps=steps,
+        settings={
+            "recompute_logits": trainer.cfg.recompute_logits,
+            "compiled": trainer.compiled,
+            "compile_target": trainer.compiled and trainer.cfg.compile_target,
+            "attention": trainer.attention,
+            "drafter_layers": drafter_layers,
+            "target_layers_run": kept,
+        },
     )
 
 

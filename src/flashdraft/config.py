@@ -70,6 +70,9 @@ class TrainConfig(_Strict):
         "with FSDP2 fully_shard, for drafters too big to replicate; default: DDP replicas",
     )
     compile: bool | None = Field(None, description="torch.compile flex_attention; default: on GPU")
+    compile_target: bool = Field(
+        False, description="with compile: also compile the target's decoder layers (off until benchmarked)"
+    )
     attention: str = Field(
         "auto",
         pattern="^(auto|flex|dense)$",

@@ -178,6 +178,7 @@ def bench(
     device: str | None = typer.Option(None, help="cpu or cuda (default: cuda when visible)"),
     recompute_logits: bool = typer.Option(True, help="recompute lm_head logits in the backward"),
     compile: bool | None = typer.Option(None, help="torch.compile flex + drafter layers (default: on GPU)"),
+    compile_target: bool = typer.Option(False, help="also torch.compile the target's decoder layers"),
     json_out: Path | None = typer.Option(None, "--json", help="write the result as JSON here"),
 ) -> None:
     """Training throughput on random weights of a named target shape: tok/s, MFU, memory, phases."""
@@ -191,7 +192,18 @@ def bench(
 
     try:
         r = run_bench(
-            shape, seq_len, anchors, block_size, rows_per_batch, steps, warmup, drafter_layers, device
+            shape,
+            seq_len,
+            anchors,
+            block_size,
+            rows_per_batch,
+            steps,
+            warmup,
+            drafter_layers,
+            device,
+            recompute_logits=recompute_logits,
+            compile=compile,
+            compile_target=compile_target,
         )
     except ValueError as e:
         _fail(str(e))
@@ -208,6 +220,7 @@ def bench(
         ("peak memory", f"{r.peak_mem_gib:.1f} GiB"),
         ("start-up / first step", f"{r.startup_s:.1f} s / {r.first_step_s:.1f} s"),
         ("compile", r.compile_report),
+        ("settings", ", ".join(f"{k} {v}" for k, v in r.settings.items())),
     ] + [(f"  {k}", f"{v:.1f} ms") for k, v in r.phases_ms.items()]
     for k, v in rows:
         table.add_row(k, v)

@@ -286,10 +286,16 @@ class Trainer:
         self.compiled = cfg.compile if cfg.compile is not None else self.device.type == "cuda"
         self.attention = resolve_attention(cfg.attention, self.device)
         self.compile_report = None
+        if cfg.compile_target and not self.compiled:
+            raise ValueError("compile_target needs compile (on by default on GPU; set compile: true)")
         if self.compiled:
             self.cache_dir = use_cache_dir(None, self.device)
             for layer in drafter.layers:
                 layer.compile(dynamic=False)
+            if cfg.compile_target and self.topo.is_target:
+                # forward only: the tap hooks stay eager; decoding (tau) runs eagerly anyway
+                for layer in self.target.model.get_decoder().layers:
+                    layer.forward = torch.compile(layer.forward, dynamic=False)
         self.model = parallelize(drafter, self.topo, cfg.fsdp)
         if cfg.fsdp and self.topo.is_main:
             print(sharding_line(drafter), flush=True)
