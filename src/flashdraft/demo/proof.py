@@ -200,7 +200,17 @@ def run_proof(
         shutil.rmtree(out / "runs", ignore_errors=True)  # a killed earlier attempt: train again
         data = Path(summary["data_dir"])
         runs = [start_drafter(n, target_dir, data, out, scale, steps, VARIANTS[n]) for n in names]
-        drafters = {r.name: finish_drafter(r) for r in runs}
+        try:
+            while any(r.process.poll() is None for r in runs):  # the first failure ends the stage
+                failed = [r for r in runs if r.process.poll() not in (None, 0)]
+                if failed:
+                    finish_drafter(failed[0])
+                time.sleep(0.5)
+            drafters = {r.name: finish_drafter(r) for r in runs}
+        finally:  # one failed: stop the others rather than leave them training
+            for r in runs:
+                if r.process.poll() is None:
+                    r.process.kill()
         clock.lap("drafters_s")
         save(drafter=dict(scale.drafter), drafters=drafters)
     drafters = summary["drafters"]
