@@ -5,7 +5,7 @@ cache three threads hung. flashdraft runs one process per rank; this starts N ra
 (`flashdraft train --nproc N`, gloo, every rank on the same GPU when FLASHDRAFT_SHARE_GPU=1) with
 an empty inductor cache and reports whether all of them compiled and trained, and how long it took.
 
-    python benchmarks/shared_gpu_cold_start.py --nproc 3 [--device cuda]
+    python benchmarks/shared_gpu_cold_start.py --nproc 3 [--device cuda] [--layout split:1:2]
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ def main() -> None:
     ap.add_argument("--nproc", type=int, default=3)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--layout", default="colocated", help="colocated or split:T:D (T + D = nproc)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     root = Path(tempfile.mkdtemp(prefix="flashdraft-cold-"))
@@ -54,7 +55,8 @@ def main() -> None:
     env = {**os.environ, "FLASHDRAFT_SHARE_GPU": "1", "TORCHINDUCTOR_CACHE_DIR": str(root / "inductor")}
     cmd = [sys.executable, "-m", "flashdraft.cli.main", "train", "--target", str(target), "--data", str(data),
            "--out", str(root / "run"), "--config", str(root / "cfg.yaml"), "--max-steps", str(args.steps),
-           "--device", args.device, "--nproc", str(args.nproc), "--backend", "gloo"]  # fmt: skip
+           "--device", args.device, "--nproc", str(args.nproc), "--backend", "gloo",
+           "--layout", args.layout]  # fmt: skip
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
     wall = time.perf_counter() - t0
@@ -62,6 +64,7 @@ def main() -> None:
     metrics = (root / "run" / "metrics.jsonl").read_text().splitlines() if proc.returncode == 0 else []
     result = {
         "nproc": args.nproc,
+        "layout": args.layout,
         "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
         "returncode": proc.returncode,
         "wall_s": round(wall, 1),
