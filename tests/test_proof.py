@@ -26,6 +26,9 @@ def test_the_proof_runs_every_stage_and_the_reference_package_agrees(tmp_path):
     # fp32 on the CPU: the reference decodes our export with our acceptance lengths, sample by sample
     assert s["reference"]["samples_with_our_tau"] == SMOKE.eval_prompts
     assert s["reference"]["tau"] == pytest.approx(s["tau_T0"])
+    # tau during training on the same prompts, at the last step: the eval's figure
+    step, tau = s["drafters"]["main"]["tau_during_training"][-1]
+    assert step == s["drafters"]["main"]["steps"] and tau == pytest.approx(s["tau_T0"], rel=0.1)
     assert set(s["seconds"]) >= {"target_s", "drafters_s", "eval_T0_s", "reference_s", "eval_T1_s"}
 
     # a run killed after its drafters: --resume trains nothing again and measures what is missing

@@ -4,8 +4,9 @@ with the drafter trained by `flashdraft train`, ablations, T = 0 and T = 1, and 
 1. `prepare` (flashdraft.demo.pipeline): tokenizer + Qwen3 target trained on real code, held-out
    prompts, conversations the target rewrites greedily, token shards;
 2. drafters trained by `flashdraft train` subprocesses, started together so that they share the GPU
-   and the time budget: the main one and two ablations - the
-   same drafter tapping only the token embedding (no target features), and tapping 5 layers;
+   and the time budget: the main one (tau on the held-out prompts halfway and at the end) and two
+   ablations - the same drafter tapping only the token embedding (no target features), and tapping
+   5 layers;
 3. `compare_methods` (flashdraft eval) for the main drafter at T = 0 and T = 1: DFlash, n-gram and
    plain decoding on the held-out prompts; greedy tau of each ablation;
 4. the main drafter exported to the z-lab layout and decoded by the reference `dflash` package.
@@ -75,15 +76,27 @@ class DrafterRun:
 
 
 def start_drafter(
-    name: str, target_dir: Path, data_dir: Path, out: Path, scale: Scale, steps: int, extra: dict
+    name: str,
+    target_dir: Path,
+    data_dir: Path,
+    out: Path,
+    scale: Scale,
+    steps: int,
+    extra: dict,
+    prompts: Path | None = None,
 ) -> DrafterRun:
-    """`flashdraft train` in a subprocess."""
+    """`flashdraft train` in a subprocess; with `prompts`, tau on them halfway and at the end."""
     run_dir = out / "runs" / name
     run_dir.parent.mkdir(parents=True, exist_ok=True)
-    config = {**scale.drafter, **extra, "log_every": 25}
+    log_every = 25
+    config = {**scale.drafter, **extra, "log_every": log_every}
     cmd = [sys.executable, "-m", "flashdraft.cli.main", "train", "--target", str(target_dir)]
     cmd += ["--data", str(data_dir), "--out", str(run_dir), "--preset", scale.preset]
     cmd += ["--device", scale.device, "--max-steps", str(steps)]
+    if prompts is not None:
+        config |= {"eval_num_prompts": scale.eval_prompts, "eval_max_new_tokens": scale.response_tokens}
+        every = log_every * max(1, steps // (2 * log_every))
+        cmd += ["--eval-prompts", str(prompts), "--eval-every", str(every)]
     config_path = out / "runs" / f"{name}.yaml"
     config_path.write_text(yaml.safe_dump(_nested(config)))
     cmd += ["--config", str(config_path)]
@@ -104,6 +117,7 @@ def finish_drafter(run: DrafterRun) -> dict:
     lines = [json.loads(x) for x in (run.run_dir / "metrics.jsonl").read_text().splitlines()]
     last = lines[-1]
     tail = lines[-4:]
+    taus = [[m["step"], m["tau"]] for m in lines if "tau" in m]
     return {
         "checkpoint": str(latest_checkpoint(run.run_dir / "checkpoints")),
         "steps": last["step"],
@@ -113,7 +127,7 @@ def finish_drafter(run: DrafterRun) -> dict:
         # acceptance on training batches: the last 4 logged steps
         "tau_train": sum(m["tau_train"] for m in tail) / len(tail),
         "ctx_tok_s": last["ctx_tok_s"],
-    }
+    } | ({"tau_during_training": taus} if taus else {})
 
 
 def reference_tau(
@@ -199,7 +213,12 @@ def run_proof(
         console.print(f"drafters {names}: {steps} steps each, trained together ({remaining:.0f} s left)")
         shutil.rmtree(out / "runs", ignore_errors=True)  # a killed earlier attempt: train again
         data = Path(summary["data_dir"])
-        runs = [start_drafter(n, target_dir, data, out, scale, steps, VARIANTS[n]) for n in names]
+        runs = [
+            start_drafter(
+                n, target_dir, data, out, scale, steps, VARIANTS[n], prompts_path if n == "main" else None
+            )
+            for n in names
+        ]
         try:
             while any(r.process.poll() is None for r in runs):  # the first failure ends the stage
                 failed = [r for r in runs if r.process.poll() not in (None, 0)]
