@@ -3,8 +3,9 @@ printed before anything is loaded (the target's config only, no weights).
 
 Memory per rank: target weights (bf16, up to the last tapped layer) on target ranks; on drafter
 ranks the drafter's fp32 weights, gradients and two AdamW moments (16 bytes a parameter, divided
-over the drafter ranks with fsdp) plus the target's embedding and lm_head. Balance: model FLOPs of one micro-batch on each side, divided by
-the ranks of that side; the slower side sets the pace and the other side idles by the difference.
+over the drafter ranks with fsdp) plus the target's embedding and lm_head. Balance: model FLOPs of
+one micro-batch on each side, divided by the ranks of that side; the slower side sets the pace and
+the other side idles by the difference.
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ class Plan:
         out = [f"layout {self.layout} on {self.world_size} process(es)"]
         out += [f"  rank {r}: {role}" for r, role in enumerate(self.roles)]
         out.append(
-            f"memory: target ranks ~{self.target_gib:.1f} GiB of weights, drafter ranks ~{self.drafter_gib:.1f} GiB"
+            f"memory: target ranks ~{self.target_gib:.1f} GiB of weights, "
+            f"drafter ranks ~{self.drafter_gib:.1f} GiB"
         )
         out.append(
             f"work per micro-batch: target {self.target_tflop_per_micro:.1f} TFLOP, "
