@@ -121,6 +121,14 @@ def _merge(base: dict, over: dict) -> dict:
     return out
 
 
+def set_dotted(tree: dict, key: str, value: Any) -> None:
+    """tree["optim"]["lr"] = value for key "optim.lr", creating the mappings on the way."""
+    *parents, leaf = key.split(".")
+    for p in parents:
+        tree = tree.setdefault(p, {})
+    tree[leaf] = value
+
+
 def resolve_config(preset: str = "default", yaml_path: Path | None = None, **overrides: Any) -> TrainConfig:
     """preset < YAML file < overrides (dotted keys such as `optim.lr`); None overrides are ignored."""
     if preset not in PRESETS:
@@ -132,13 +140,8 @@ def resolve_config(preset: str = "default", yaml_path: Path | None = None, **ove
             raise ValueError(f"{yaml_path}: expected a mapping at the top level")
         raw = _merge(raw, loaded)
     for key, value in overrides.items():
-        if value is None:
-            continue
-        *parents, leaf = key.split(".")
-        node = raw
-        for p in parents:
-            node = node.setdefault(p, {})
-        node[leaf] = value
+        if value is not None:
+            set_dotted(raw, key, value)
     try:
         return TrainConfig.model_validate(raw)
     except ValidationError as e:

@@ -107,6 +107,11 @@ def chat(prompt: str, response: str | None = None) -> list[dict]:
     return messages
 
 
+def _progress(console: Console) -> Progress:
+    columns = [TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(), TimeRemainingColumn()]
+    return Progress(*columns, console=console)
+
+
 def pretrain_target(model, tokenizer, pairs: list[dict], seconds: float, progress, task, scale: Scale = CPU):
     """Causal-LM training of the target on chat-rendered windows, for a time budget."""
     seq_len = scale.prompt_tokens + scale.response_tokens + 16
@@ -167,7 +172,7 @@ def prepare(out: Path, budget_s: float, scale: Scale, console: Console) -> Prepa
     from flashdraft.data.prepare import PrepareOptions, prepare_dataset
     from flashdraft.data.regenerate import LocalBackend, regenerate_file
 
-    clock = _Clock()
+    clock = StageClock()
     files = source_files(scale)
     held_out = files[::10]
     train_files = [f for f in files if f not in set(held_out)]
@@ -178,8 +183,7 @@ def prepare(out: Path, budget_s: float, scale: Scale, console: Console) -> Prepa
     target = build_tiny_target(tokenizer, **scale.target)
     clock.lap("tokenizer_s")
 
-    columns = [TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(), TimeRemainingColumn()]
-    with Progress(*columns, console=console) as progress:
+    with _progress(console) as progress:
         seconds = scale.target_share * budget_s
         task = progress.add_task("target", total=seconds)
         steps_target, target_loss = pretrain_target(target, tokenizer, pairs, seconds, progress, task, scale)
@@ -227,7 +231,7 @@ def prepare(out: Path, budget_s: float, scale: Scale, console: Console) -> Prepa
     return Prepared(target_dir, data_dir, [chat(p["prompt"]) for p in eval_pairs], summary)
 
 
-class _Clock:
+class StageClock:
     """Seconds per named stage (`lap`), and since the last `restart`."""
 
     def __init__(self):
@@ -266,8 +270,7 @@ def run_pipeline(out: Path, budget_minutes: float, scale: Scale) -> dict:
     trainer = build_trainer(
         cfg, str(prep.target_dir), str(prep.data_dir), str(out / "run"), device=scale.device
     )
-    columns = [TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(), TimeRemainingColumn()]
-    with Progress(*columns, console=console) as progress:
+    with _progress(console) as progress:
         task = progress.add_task("drafter", total=trainer.total_steps)
         result = trainer.run(
             progress=lambda s, n, loss: progress.update(

@@ -29,7 +29,8 @@ import yaml
 from rich.console import Console
 from rich.table import Table
 
-from flashdraft.demo.pipeline import H200, Scale, _Clock, prepare
+from flashdraft.config import set_dotted
+from flashdraft.demo.pipeline import H200, Scale, StageClock, prepare
 
 # name -> config overrides on top of the scale's drafter; "main" is the proof, the others ablations
 VARIANTS: dict[str, dict] = {
@@ -54,17 +55,6 @@ SMOKE = dataclasses.replace(
     eval_prompts=4,
     source_bytes=3_000_000,
 )
-
-
-def _nested(dotted: dict) -> dict:
-    out: dict = {}
-    for key, value in dotted.items():
-        *parents, leaf = key.split(".")
-        node = out
-        for p in parents:
-            node = node.setdefault(p, {})
-        node[leaf] = value
-    return out
 
 
 @dataclass
@@ -98,7 +88,10 @@ def start_drafter(
         every = log_every * max(1, steps // (2 * log_every))
         cmd += ["--eval-prompts", str(prompts), "--eval-every", str(every)]
     config_path = out / "runs" / f"{name}.yaml"
-    config_path.write_text(yaml.safe_dump(_nested(config)))
+    nested: dict = {}
+    for key, value in config.items():
+        set_dotted(nested, key, value)
+    config_path.write_text(yaml.safe_dump(nested))
     cmd += ["--config", str(config_path)]
     log = out / "runs" / f"{name}.log"
     with open(log, "w") as f:
@@ -180,7 +173,7 @@ def run_proof(
     t_start = time.time()
     budget = 60 * budget_minutes
     summary = json.loads(record.read_text()) if record.exists() else {}
-    clock = _Clock()
+    clock = StageClock()
     laps = dict(summary.get("seconds", {}))
 
     def save(**more) -> None:  # after every stage, so a run cut short keeps what it measured
