@@ -1,7 +1,10 @@
 """`flashdraft bench --shape tiny` runs the real training step on CPU, so the command cannot rot."""
 
 import json
+import subprocess
+import sys
 
+import pytest
 from typer.testing import CliRunner
 
 from flashdraft.bench import shape_config
@@ -13,10 +16,10 @@ from flashdraft.train.flops import step_flops
 def test_bench_tiny_reports_throughput_mfu_and_phases(tmp_path):
     out = tmp_path / "bench.json"
     args = ["bench", "--shape", "tiny", "--seq-len", "128", "--anchors", "8", "--steps", "2", "--warmup", "1"]
-    result = CliRunner().invoke(app, [*args, "--device", "cpu", "--no-recompute-logits", "--json", str(out)])
+    result = CliRunner().invoke(app, [*args, "--device", "cpu", "--recompute-logits", "--json", str(out)])
     assert result.exit_code == 0, result.output
     r = json.loads(out.read_text())
-    assert r["settings"]["recompute_logits"] is False  # the option reached the trainer
+    assert r["settings"]["recompute_logits"] is True  # the option reached the trainer
     assert r["ctx_tok_s"] > 0 and r["draft_pos_s"] > 0 and 0 < r["mfu"] < 1
     phases = {"target_forward", "block_mask", "drafter_forward", "loss_forward", "backward", "optimizer"}
     assert phases <= set(r["phases_ms"])
@@ -29,3 +32,22 @@ def test_flop_count_of_the_paper_shape_matches_docs_perf():
     f = step_flops(target, drafter, 34, 3072, 512 * 16, 512 * 16)
     assert 41e12 < f["target"] < 45e12
     assert 70e12 < f["drafter"] < 76e12
+
+
+@pytest.mark.slow
+def test_bench_split_layout_sums_drafter_ranks_and_reports_every_rank(tmp_path):
+    """`--nproc 3 --layout split:1:2`: one rank serves features, two train; throughput counts both
+    drafter ranks, MFU divides by all three, and every rank reports its role and memory."""
+    out = tmp_path / "bench.json"
+    args = ["bench", "--shape", "tiny", "--seq-len", "128", "--anchors", "8", "--steps", "2", "--warmup", "1",
+            "--device", "cpu", "--nproc", "3", "--layout", "split:1:2", "--json", str(out)]  # fmt: skip
+    cmd = [sys.executable, "-m", "flashdraft.cli.main", *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads(out.read_text())
+    assert (r["layout"], r["world_size"]) == ("split:1:2", 3)
+    assert [x["role"] for x in r["ranks"]] == ["target", "drafter", "drafter"]
+    assert r["ctx_tok_s"] == pytest.approx(2 * 128 / (r["step_ms"] / 1000))
+    assert r["mfu"] == pytest.approx(r["model_tflops"] / (3 * r["matmul_tflops"]))
+    assert r["model_tflops"] > 0 and 0 < r["drafter_busy"] <= 1 and 0 < r["target_busy"] <= 1
+    assert "receive" in r["phases_ms"] and "target_forward" not in r["phases_ms"]

@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from flashdraft.config import TrainConfig, resolve_config
 from flashdraft.data.packing import PackedBatch
-from flashdraft.dist.topology import Topology
+from flashdraft.dist.topology import init_topology
 from flashdraft.model.drafter import DFlashDrafter, drafter_config
 from flashdraft.train.flops import matmul_tflops, step_flops, sync
 from flashdraft.train.timing import PhaseTimer
@@ -107,6 +107,11 @@ class BenchResult:
     compile_report: str
     steps: int
     settings: dict  # what the trainer ran with (read back from its config, not from the arguments)
+    layout: str = "colocated"
+    world_size: int = 1
+    drafter_busy: float | None = None  # split layouts: 1 - the drafter's wait for features / wall
+    target_busy: float | None = None  # split layouts: as the target ranks reported it
+    ranks: list = field(default_factory=list)  # per rank: role, peak memory, start-up, compile
 
 
 def run_bench(
@@ -119,12 +124,17 @@ def run_bench(
     warmup: int = 3,
     drafter_layers: int = 5,
     device: str | None = None,
-    recompute_logits: bool = True,
+    recompute_logits: bool = False,
     compile: bool | None = None,
-    compile_target: bool = False,
-) -> BenchResult:
+    compile_target: bool | None = None,
+    layout: str = "colocated",
+) -> BenchResult | None:
+    """One process, or one rank of `flashdraft bench --nproc N` (under torchrun): every rank runs
+    this; the main rank returns the result (throughput summed over drafter ranks, MFU over every
+    GPU of the world), the others None."""
     t_start = time.perf_counter()
-    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    topo = init_topology(layout, device)
+    dev = topo.device
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     tcfg = shape_config(shape)
     cfg = resolve_config(
@@ -147,34 +157,34 @@ def run_bench(
     dcfg = drafter_config(tcfg, drafter_layers, None, cfg.drafter.num_taps, block_size, mask_id)
     drafter = DFlashDrafter(dcfg).to(dev)
     init_drafter_(drafter, 0.02, seed=0)
-    trainer = Trainer(
-        cfg, model, drafter, SyntheticStream(cfg, tcfg.vocab_size), cfg.max_steps, Topology(device=dev)
-    )
-    peak = matmul_tflops(dev)
+    trainer = Trainer(cfg, model, drafter, SyntheticStream(cfg, tcfg.vocab_size), cfg.max_steps, topo)
+    del model  # a drafter rank of a split layout keeps only the target's embedding and lm_head
     kept = max(dcfg.target_layer_ids) + 1
-
+    peak = matmul_tflops(dev) if topo.is_drafter else 0.0
     if dev.type == "cuda":
+        torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
     startup = time.perf_counter() - t_start
-    first_timer = PhaseTimer(enabled=True, device=dev)
-    t0 = time.perf_counter()
     try:
-        trainer.train_step_guarded(first_timer)  # the warm-up: compiles, then recompiles are errors
-        sync(dev)
-        first_step = time.perf_counter() - t0
-        first_phases = first_timer.milliseconds()
-        for _ in range(warmup - 1):
-            trainer.train_step_guarded()
-        sync(dev)
-        times, positions, phases = _measure(trainer, steps, dev)
+        if not topo.is_drafter:
+            trainer.serve()
+            _gather(topo, _rank_info(topo, dev, startup, None))
+            return None
+        r = _drafter_bench(trainer, dev, steps, warmup)
+        ranks = _gather(topo, _rank_info(topo, dev, startup, r["first_step"], trainer.compile_report))
     finally:
-        torch.compiler.set_stance("default")
-
+        trainer.close()
+    if not topo.is_main:
+        return None
+    first_step, first_phases, times, positions, phases = (
+        r[k] for k in ("first_step", "first_phases", "times", "positions", "phases")
+    )
+    drafters = topo.num_drafters
     step_s = statistics.median(times)
     pos_per_row = statistics.median(positions) / rows_per_batch
     # model FLOPs count every query position computed (n*B per row), as the kernels do
     flops = step_flops(tcfg, dcfg, kept, seq_len, anchors * block_size, anchors * (block_size - 1))
-    flops = flops["total"] * rows_per_batch
+    flops = flops["total"] * rows_per_batch * drafters
     tflops = flops / step_s / 1e12
     return BenchResult(
         shape=shape,
@@ -185,12 +195,12 @@ def run_bench(
         anchors=anchors,
         block_size=block_size,
         step_ms=1000 * step_s,
-        ctx_tok_s=seq_len * rows_per_batch / step_s,
-        draft_pos_s=pos_per_row * rows_per_batch / step_s,
+        ctx_tok_s=seq_len * rows_per_batch * drafters / step_s,
+        draft_pos_s=pos_per_row * rows_per_batch * drafters / step_s,
         model_tflops=tflops,
         matmul_tflops=peak,
-        mfu=tflops / peak,
-        peak_mem_gib=torch.cuda.max_memory_allocated() / 2**30 if dev.type == "cuda" else 0.0,
+        mfu=tflops / (peak * topo.world_size),
+        peak_mem_gib=max(x["peak_mem_gib"] for x in ranks),
         startup_s=startup,
         first_step_s=first_step,
         phases_ms={k: statistics.median(p.get(k, 0.0) for p in phases) for k in phases[0]},
@@ -200,12 +210,66 @@ def run_bench(
         settings={
             "recompute_logits": trainer.cfg.recompute_logits,
             "compiled": trainer.compiled,
-            "compile_target": trainer.compiled and trainer.cfg.compile_target,
+            "compile_target": trainer.compile_target,
             "attention": trainer.attention,
             "drafter_layers": drafter_layers,
             "target_layers_run": kept,
         },
+        layout=str(topo.layout),
+        world_size=topo.world_size,
+        drafter_busy=r["drafter_busy"],
+        target_busy=r["target_busy"],
+        ranks=ranks,
     )
+
+
+def _drafter_bench(trainer: Trainer, dev: torch.device, steps: int, warmup: int) -> dict:
+    first_timer = PhaseTimer(enabled=True, device=dev)
+    t0 = time.perf_counter()
+    try:
+        trainer.train_step_guarded(first_timer)  # the warm-up: compiles, then recompiles are errors
+        sync(dev)
+        first_step = time.perf_counter() - t0
+        first_phases = first_timer.milliseconds()
+        for _ in range(warmup - 1):
+            trainer.train_step_guarded()
+        sync(dev)
+        remote = trainer.remote
+        waited = remote.wait_s if remote else 0.0
+        t_measure = time.perf_counter()
+        times, positions, phases = _measure(trainer, steps, dev)
+        wall = time.perf_counter() - t_measure
+    finally:
+        torch.compiler.set_stance("default")
+    return dict(
+        first_step=first_step,
+        first_phases=first_phases,
+        times=times,
+        positions=positions,
+        phases=phases,
+        drafter_busy=1 - (remote.wait_s - waited) / wall if remote else None,
+        target_busy=remote.target_busy if remote else None,
+    )
+
+
+def _rank_info(topo, dev, startup: float, first_step: float | None, report=None) -> dict:
+    return {
+        "rank": topo.rank,
+        "role": "drafter" if topo.layout.kind == "split" and topo.is_drafter else
+                "target" if topo.layout.kind == "split" else "colocated",
+        "peak_mem_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if dev.type == "cuda" else 0.0,
+        "startup_s": round(startup, 1),
+        "first_step_s": None if first_step is None else round(first_step, 1),
+        "compile": report.line() if report else None,
+    }  # fmt: skip
+
+
+def _gather(topo, info: dict) -> list[dict]:
+    if not topo.distributed:
+        return [info]
+    out: list = [None] * topo.world_size
+    torch.distributed.all_gather_object(out, info)
+    return out
 
 
 def _measure(trainer: Trainer, steps: int, dev: torch.device):

@@ -113,6 +113,11 @@ def _print_plan(preset: str, config: Path | None, target: str, layout: str, worl
     typer.echo("\n".join(plan.lines()))
 
 
+def _rank_line(x: dict) -> str:
+    first = f", first step {x['first_step_s']} s" if x["first_step_s"] is not None else ""
+    return f"{x['peak_mem_gib']} GiB, start-up {x['startup_s']} s{first}"
+
+
 def _launch(nproc: int) -> None:
     """Re-run this command under torch's elastic launcher, one process per device."""
     from torch.distributed.run import main as torchrun
@@ -176,15 +181,29 @@ def bench(
     steps: int = typer.Option(10, help="measured steps (median reported)"),
     warmup: int = typer.Option(3, help="warm-up steps (the first compiles)"),
     device: str | None = typer.Option(None, help="cpu or cuda (default: cuda when visible)"),
-    recompute_logits: bool = typer.Option(True, help="recompute lm_head logits in the backward"),
+    recompute_logits: bool = typer.Option(False, help="recompute lm_head logits in the backward"),
     compile: bool | None = typer.Option(None, help="torch.compile flex + drafter layers (default: on GPU)"),
-    compile_target: bool = typer.Option(False, help="also torch.compile the target's decoder layers"),
+    compile_target: bool | None = typer.Option(
+        None, help="also torch.compile the target's decoder layers (default: with --compile)"
+    ),
+    layout: str = typer.Option("colocated", help="colocated, or split:T:D (with --nproc T+D)"),
+    nproc: int | None = typer.Option(None, help="launch N processes on this machine (torch's launcher)"),
     json_out: Path | None = typer.Option(None, "--json", help="write the result as JSON here"),
 ) -> None:
-    """Training throughput on random weights of a named target shape: tok/s, MFU, memory, phases."""
+    """Training throughput on random weights of a named target shape: tok/s, MFU, memory, phases.
+
+    With --nproc N (or under torchrun) every rank trains or serves features in the given layout;
+    the table sums throughput over drafter ranks and divides MFU by every GPU of the world.
+    """
     import dataclasses
     import json
 
+    if nproc is not None and "LOCAL_RANK" not in os.environ:
+        _launch(nproc)
+        return
+    from flashdraft.dist.topology import pin_local_gpu
+
+    pin_local_gpu()
     from rich.console import Console
     from rich.table import Table
 
@@ -204,10 +223,14 @@ def bench(
             recompute_logits=recompute_logits,
             compile=compile,
             compile_target=compile_target,
+            layout=layout,
         )
     except ValueError as e:
         _fail(str(e))
-    table = Table(title=f"flashdraft bench {r.shape} on {r.device} (torch {r.torch})")
+    if r is None:
+        return  # not the main rank
+    title = f"flashdraft bench {r.shape}, {r.layout} on {r.world_size} x {r.device} (torch {r.torch})"
+    table = Table(title=title)
     table.add_column("metric")
     table.add_column("value", justify="right")
     rows = [
@@ -221,7 +244,11 @@ def bench(
         ("start-up / first step", f"{r.startup_s:.1f} s / {r.first_step_s:.1f} s"),
         ("compile", r.compile_report),
         ("settings", ", ".join(f"{k} {v}" for k, v in r.settings.items())),
-    ] + [(f"  {k}", f"{v:.1f} ms") for k, v in r.phases_ms.items()]
+    ]
+    if r.drafter_busy is not None:
+        rows.append(("busy: drafter / target", f"{r.drafter_busy:.0%} / {r.target_busy:.0%}"))
+    rows += [(f"rank {x['rank']} ({x['role']})", _rank_line(x)) for x in r.ranks if r.world_size > 1]
+    rows += [(f"  {k}", f"{v:.1f} ms") for k, v in r.phases_ms.items()]
     for k, v in rows:
         table.add_row(k, v)
     Console().print(table)

@@ -14,6 +14,7 @@ CUDA tensors.
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import dataclass
 
 import torch
@@ -42,27 +43,28 @@ def pack_header(batch: PackedBatch, busy: float) -> torch.Tensor:
     return torch.cat([flat, flat.new_tensor([int(busy * 1e6)])])
 
 
-def unpack_header(header: torch.Tensor, shape: MessageShape) -> tuple[PackedBatch, float]:
+def unpack_header(header: torch.Tensor, shape: MessageShape) -> tuple[PackedBatch, torch.Tensor]:
+    """The batch and the sender's busy fraction in parts per million (a device tensor: no sync)."""
     b, s = shape.rows, shape.seq_len
     parts = header[:-1].view(4, b, s)
-    return PackedBatch(*parts.unbind(0)), float(header[-1]) / 1e6
+    return PackedBatch(*parts.unbind(0)), header[-1]
 
 
 class BusyClock:
-    """Fraction of wall time spent computing (not waiting on a peer), over a sliding window."""
+    """Fraction of wall time spent computing (not waiting on a peer) over the last `window` items,
+    so the figure describes the steady state rather than the start-up."""
 
-    def __init__(self):
-        self.busy = 0.0
-        self.start = time.perf_counter()
+    def __init__(self, window: int = 4):
+        self.items: deque[tuple[float, float]] = deque(maxlen=window)  # (start, busy seconds)
 
-    def add(self, seconds: float) -> None:
-        self.busy += seconds
+    def add(self, start: float, seconds: float) -> None:
+        self.items.append((start, seconds))
 
     def fraction(self) -> float:
-        return self.busy / max(time.perf_counter() - self.start, 1e-9)
-
-    def reset(self) -> None:
-        self.busy, self.start = 0.0, time.perf_counter()
+        if not self.items:
+            return 0.0
+        span = time.perf_counter() - self.items[0][0]
+        return min(1.0, sum(b for _, b in self.items) / max(span, 1e-9))
 
 
 def serve_features(
@@ -84,9 +86,8 @@ def serve_features(
         cpu = stream[m]
         batch = cpu.to(topo.device)
         feats = features_fn(batch, cpu.plain_causal).to(shape.dtype).contiguous()
-        if topo.device.type == "cuda":
-            torch.cuda.current_stream().synchronize()
-        clock.add(time.perf_counter() - t0)
+        _drain(topo)
+        clock.add(t0, time.perf_counter() - t0)
         dst = topo.drafter_rank_for(m)
         wire = topo.wire_device
         ops = [
@@ -94,23 +95,51 @@ def serve_features(
             dist.P2POp(dist.isend, feats.to(wire), dst),
         ]
         in_flight.append(dist.batch_isend_irecv(ops))
-        if len(in_flight) > 2:
+        if len(in_flight) > 2:  # waiting for a drafter to take a message is not busy time
             for work in in_flight.pop(0):
                 work.wait()
+            _drain(topo)
     for works in in_flight:
         for work in works:
             work.wait()
+    _drain(topo)
+
+
+def _drain(topo: Topology) -> None:
+    """Block the host until this rank's queued GPU work (and any NCCL wait it holds) is done."""
+    if topo.device.type == "cuda":
+        torch.cuda.current_stream().synchronize()
 
 
 class RemoteFeatures:
-    """Drafter rank side: receives micro-batches in order, the next one prefetched."""
+    """Drafter rank side: receives micro-batches in order, the next one prefetched.
+
+    Time spent waiting for features is measured without a host sync on GPU: a pair of CUDA events
+    around the stream's wait on the receive times how long the GPU stalled for data (not the host,
+    which may be a step ahead). The sender's busy fraction stays on the device until read.
+    """
 
     def __init__(self, topo: Topology, shape: MessageShape):
         self.topo = topo
         self.shape = shape
         self.pending: dict[int, tuple] = {}
-        self.wait_s = 0.0
-        self.target_busy = 0.0
+        self._wait_s = 0.0
+        self._stalls: list[tuple] = []  # CUDA event pairs not yet read
+        self._target_busy: torch.Tensor | None = None
+
+    @property
+    def wait_s(self) -> float:
+        """Seconds spent waiting for features so far (synchronises on GPU)."""
+        if self._stalls:
+            self._stalls[-1][1].synchronize()
+            self._wait_s += sum(a.elapsed_time(b) for a, b in self._stalls) / 1000
+            self._stalls.clear()
+        return self._wait_s
+
+    @property
+    def target_busy(self) -> float:
+        """The last sender's busy fraction (its last few micro-batches)."""
+        return 0.0 if self._target_busy is None else float(self._target_busy) / 1e6
 
     def _post(self, m: int) -> None:
         header, feats = self.shape.empty(self.topo.wire_device)
@@ -124,11 +153,17 @@ class RemoteFeatures:
         if next_m is not None and next_m not in self.pending:
             self._post(next_m)
         works, header, feats = self.pending.pop(m)
+        cuda_wire = self.topo.wire_device.type == "cuda"
+        if cuda_wire:
+            before, after = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+            before.record()
         t0 = time.perf_counter()
         for work in works:
-            work.wait()
-        if self.topo.device.type == "cuda":
-            torch.cuda.current_stream().synchronize()
-        self.wait_s += time.perf_counter() - t0
-        batch, self.target_busy = unpack_header(header.to(self.topo.device), self.shape)
+            work.wait()  # NCCL: the stream waits, the host does not; gloo: the host waits
+        if cuda_wire:
+            after.record()
+            self._stalls.append((before, after))
+        else:
+            self._wait_s += time.perf_counter() - t0
+        batch, self._target_busy = unpack_header(header.to(self.topo.device), self.shape)
         return batch, feats.to(self.topo.device)

@@ -76,13 +76,15 @@ def micro_step_loss(
     target rank); otherwise runs the target here. `drafter` may be wrapped (DDP): only its
     forward is called.
     """
-    with timer("target_forward"):
-        feats = mb.features if mb.features is not None else target_features(target, mb.batch)
-        with torch.no_grad():
-            block_embeds = target.embed_tokens(mb.blocks.input_ids).to(feats.dtype)
+    feats = mb.features
+    if feats is None:
+        with timer("target_forward"):
+            feats = target_features(target, mb.batch)
     with timer("block_mask"):
         vis = visibility_for(mb, mb.blocks.labels.shape[-1], attention, compiled)
     with timer("drafter_forward"):
+        with torch.no_grad():  # the block's input: the target's (frozen) token embeddings
+            block_embeds = target.embed_tokens(mb.blocks.input_ids).to(feats.dtype)
         hidden = drafter(block_embeds, mb.blocks.positions, None, vis, feats, mb.batch.position_ids)
     with timer("loss_forward"):
         return block_loss(

@@ -115,7 +115,7 @@ class StepStats:
     blocks: torch.Tensor
     weight_sum: torch.Tensor | None = None
     grad_norm: torch.Tensor | None = None
-    ctx_tokens: int = 0
+    ctx_tokens: int | torch.Tensor = 0  # a device tensor when the batch arrived from a target rank
 
     @classmethod
     def zeros(cls, block_size: int, device) -> StepStats:
@@ -288,11 +288,12 @@ class Trainer:
         self.compile_report = None
         if cfg.compile_target and not self.compiled:
             raise ValueError("compile_target needs compile (on by default on GPU; set compile: true)")
+        self.compile_target = self.compiled if cfg.compile_target is None else cfg.compile_target
         if self.compiled:
             self.cache_dir = use_cache_dir(None, self.device)
             for layer in drafter.layers:
                 layer.compile(dynamic=False)
-            if cfg.compile_target and self.topo.is_target:
+            if self.compile_target and self.topo.is_target:
                 # forward only: the tap hooks stay eager; decoding (tau) runs eagerly anyway
                 for layer in self.target.model.get_decoder().layers:
                     layer.forward = torch.compile(layer.forward, dynamic=False)
@@ -366,7 +367,7 @@ class Trainer:
         if self.remote is not None:
             with timer("receive"):
                 batch, feats = self.remote.get(m, next_m)
-            ctx_tokens = int((batch.doc_ids >= 0).sum())
+            ctx_tokens = (batch.doc_ids >= 0).sum()  # stays on the device: no sync in the step
         else:
             with timer("data"):
                 cpu = self.stream[m]
