@@ -1,8 +1,12 @@
 """Split layout: target ranks send features to drafter ranks over point-to-point messages.
 
-A message is two fixed-size tensors, so nothing is re-allocated or re-shaped between steps:
-a header (int64: input ids, loss mask, position ids, document ids of the packed rows, then the
-sender's busy fraction in parts per million) and the tapped features (the target's dtype).
+A message is two fixed-size tensors, so nothing is re-shaped between steps: a header (int64: input
+ids, loss mask, position ids, document ids of the packed rows, then the sender's busy fraction in
+parts per million) and the tapped features (the target's dtype). Their buffers come from the CUDA
+caching allocator, which hands back the same blocks every step (no cudaMalloc in steady state)
+and, through c10d's stream bookkeeping, never reuses a block an in-flight send or receive still
+owns. A hand-kept ring would have to hold grad_accum + 1 receive slots (a step receives all its
+micro-batches before computing any) and order those reuses by hand for the same result.
 Target ranks keep two sends in flight (double buffering), so computing the next micro-batch
 overlaps sending the last; drafter ranks post the receive of their next micro-batch before
 training on the current one. Micro-batch m goes from target rank m % T to drafter rank m % D;
