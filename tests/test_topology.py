@@ -43,3 +43,28 @@ def test_fsdp_over_gloo_on_a_gpu_is_refused():
     topo = SimpleNamespace(num_drafters=2, is_drafter=True, device=torch.device("cuda", 0), backend="gloo")
     with pytest.raises(ValueError, match="needs NCCL"):
         parallelize(torch.nn.Linear(2, 2), topo, fsdp=True)
+
+
+def _drafter_max_worker(rank: int, port: int, out: str) -> None:
+    import os
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="3", RANK=str(rank))
+    topo = init_topology("split:1:2", "cpu")
+    if topo.is_drafter:  # ranks 1 and 2 waited 1 s and 2 s for features
+        with open(f"{out}.{rank}", "w") as f:
+            f.write(str(topo.drafter_max(float(rank))))
+    topo.close()
+
+
+def test_the_drafter_group_waits_as_long_as_its_worst_fed_rank(tmp_path):
+    """Split layout busy fractions: every drafter rank reports the longest wait of the group (the
+    others wait for that rank in the gradient all-reduce), not its own."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_drafter_max_worker, args=(port, str(tmp_path / "max")), nprocs=3)
+    assert [float((tmp_path / f"max.{r}").read_text()) for r in (1, 2)] == [2.0, 2.0]

@@ -109,7 +109,7 @@ class BenchResult:
     settings: dict  # what the trainer ran with (read back from its config, not from the arguments)
     layout: str = "colocated"
     world_size: int = 1
-    drafter_busy: float | None = None  # split layouts: 1 - the drafter's wait for features / wall
+    drafter_busy: float | None = None  # split layouts: 1 - the longest wait for features / wall
     target_busy: float | None = None  # split layouts: as the target ranks reported it
     ranks: list = field(default_factory=list)  # per rank: role, peak memory, start-up, compile
 
@@ -247,7 +247,7 @@ def _drafter_bench(trainer: Trainer, dev: torch.device, steps: int, warmup: int)
         times=times,
         positions=positions,
         phases=phases,
-        drafter_busy=1 - (remote.wait_s - waited) / wall if remote else None,
+        drafter_busy=1 - trainer.topo.drafter_max(remote.wait_s - waited) / wall if remote else None,
         target_busy=remote.target_busy if remote else None,
     )
 

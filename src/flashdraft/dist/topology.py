@@ -96,6 +96,17 @@ class Topology:
         base = 0 if self.layout.kind == "colocated" else self.layout.targets
         return base + micro_index % self.layout.drafters
 
+    def drafter_max(self, value: float) -> float:
+        """The largest `value` over drafter ranks (every drafter rank must call it). Used for the
+        wait for features: the other drafter ranks spend that time waiting for the worst-fed one
+        in the gradient all-reduce, so the group is idle as long as that rank waits."""
+        if self.num_drafters <= 1:
+            return value
+        device = self.device if self.backend == "nccl" else "cpu"
+        t = torch.tensor([value], dtype=torch.float64, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.drafter_group)
+        return float(t)
+
     def barrier(self) -> None:
         if self.distributed:
             dist.barrier()

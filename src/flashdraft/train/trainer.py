@@ -543,7 +543,7 @@ class Trainer:
             skipped_steps=int(self.skipped),
         )
         if self.remote is not None:
-            m["drafter_busy"] = 1 - (self.remote.wait_s - window.wait_s) / elapsed
+            m["drafter_busy"] = 1 - self.topo.drafter_max(self.remote.wait_s - window.wait_s) / elapsed
             m["target_busy"] = self.remote.target_busy
         m.update(self.pending_tau)
         self.pending_tau = {}
