@@ -211,8 +211,8 @@ def test_plan_prints_roles_memory_and_balance_without_loading_weights(tmp_path):
     )
     assert result.exit_code == 0, result.output
     assert "rank 4: target" in result.output and "rank 5: drafter" in result.output
-    # 43 TFLOP of target work over 5 ranks against 72 of drafter work over 3: targets idle 2/3 of the time
-    assert "target ranks 36%, drafter ranks 100%" in result.output
+    # 43 TFLOP of target work at 80% of peak over 5 ranks against 72 of drafter work at 57% over 3
+    assert "target ranks 26%, drafter ranks 100%" in result.output
     sharded = CliRunner().invoke(
         app, [*args, "--nproc", "8", "--layout", "split:5:3", "--preset", "qwen3_8b_h200", "--fsdp"]
     )
