@@ -68,3 +68,27 @@ def test_the_drafter_group_waits_as_long_as_its_worst_fed_rank(tmp_path):
         port = s.getsockname()[1]
     mp.spawn(_drafter_max_worker, args=(port, str(tmp_path / "max")), nprocs=3)
     assert [float((tmp_path / f"max.{r}").read_text()) for r in (1, 2)] == [2.0, 2.0]
+
+
+def test_feature_messages_travel_on_their_own_process_group(monkeypatch):
+    """Split layouts: every send and receive of features names the exchange group, so messages
+    never queue behind the gradient all-reduce or a barrier of another group."""
+    from types import SimpleNamespace
+
+    from flashdraft.data.packing import PackedBatch
+    from flashdraft.dist.exchange import MessageShape, RemoteFeatures, serve_features
+    from flashdraft.dist.topology import Layout, Topology
+
+    sent = []
+    op = lambda op, tensor, peer, group=None: SimpleNamespace(op=op, peer=peer, group=group)  # noqa: E731
+    monkeypatch.setattr(dist, "P2POp", op)
+    monkeypatch.setattr(dist, "batch_isend_irecv", lambda ops: sent.extend(ops) or [])
+    group = object()
+    ids = torch.zeros(1, 8, dtype=torch.long)
+    stream = [PackedBatch(ids, ids, ids, ids)]
+    shape = MessageShape(1, 8, 4, torch.float32)
+    target = Topology(0, 2, 0, Layout("split", 1, 1), exchange_group=group)
+    serve_features(target, lambda batch, plain: torch.zeros(1, 8, 4), stream, 1, shape)
+    RemoteFeatures(Topology(1, 2, 1, Layout("split", 1, 1), exchange_group=group), shape)._post(0)
+    assert [op.op for op in sent] == [dist.isend, dist.isend, dist.irecv, dist.irecv]
+    assert all(op.group is group for op in sent)

@@ -11,6 +11,8 @@ Target ranks keep two sends in flight (double buffering), so computing the next 
 overlaps sending the last; drafter ranks post the receive of their next micro-batch before
 training on the current one. Micro-batch m goes from target rank m % T to drafter rank m % D;
 messages between one pair arrive in order, so both sides agree on m without a handshake.
+Messages travel on their own process group (`Topology.exchange_group`), apart from the drafter
+ranks' gradient all-reduce and any barrier.
 Over gloo (several ranks sharing one GPU) messages are staged in host memory: gloo cannot send
 CUDA tensors.
 """
@@ -95,8 +97,8 @@ def serve_features(
         dst = topo.drafter_rank_for(m)
         wire = topo.wire_device
         ops = [
-            dist.P2POp(dist.isend, pack_header(batch, clock.fraction()).to(wire), dst),
-            dist.P2POp(dist.isend, feats.to(wire), dst),
+            dist.P2POp(dist.isend, pack_header(batch, clock.fraction()).to(wire), dst, topo.exchange_group),
+            dist.P2POp(dist.isend, feats.to(wire), dst, topo.exchange_group),
         ]
         in_flight.append(dist.batch_isend_irecv(ops))
         if len(in_flight) > 2:  # waiting for a drafter to take a message is not busy time
@@ -148,7 +150,8 @@ class RemoteFeatures:
     def _post(self, m: int) -> None:
         header, feats = self.shape.empty(self.topo.wire_device)
         src = self.topo.target_rank_for(m)
-        ops = [dist.P2POp(dist.irecv, header, src), dist.P2POp(dist.irecv, feats, src)]
+        group = self.topo.exchange_group
+        ops = [dist.P2POp(dist.irecv, header, src, group), dist.P2POp(dist.irecv, feats, src, group)]
         self.pending[m] = (dist.batch_isend_irecv(ops), header, feats)
 
     def get(self, m: int, next_m: int | None) -> tuple[PackedBatch, torch.Tensor]:

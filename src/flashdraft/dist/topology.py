@@ -52,6 +52,7 @@ class Topology:
     layout: Layout = field(default_factory=lambda: Layout("colocated", 1, 1))
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     drafter_group: object | None = None  # process group of drafter ranks (gradient all-reduce)
+    exchange_group: object | None = None  # split layouts: the feature messages' own group
     backend: str = "gloo"
 
     @property
@@ -156,4 +157,6 @@ def init_topology(layout: str = "colocated", device: str | None = None, backend:
         )
         drafters = list(range(world)) if lay.kind == "colocated" else list(range(lay.targets, world))
         topo.drafter_group = dist.new_group(drafters) if len(drafters) < world else dist.group.WORLD
+        if lay.kind == "split":  # feature messages never queue behind (or between) other collectives
+            topo.exchange_group = dist.new_group(list(range(world)))
     return topo
