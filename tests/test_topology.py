@@ -70,9 +70,10 @@ def test_the_drafter_group_waits_as_long_as_its_worst_fed_rank(tmp_path):
     assert [float((tmp_path / f"max.{r}").read_text()) for r in (1, 2)] == [2.0, 2.0]
 
 
-def test_feature_messages_travel_on_their_own_process_group(monkeypatch):
+def test_feature_messages_travel_on_their_own_process_group_in_reused_buffers(monkeypatch):
     """Split layouts: every send and receive of features names the exchange group, so messages
-    never queue behind the gradient all-reduce or a barrier of another group."""
+    never queue behind the gradient all-reduce or a barrier of another group; and both sides reuse
+    buffers allocated once: three on a target rank, grad_accum + 1 on a drafter rank."""
     from types import SimpleNamespace
 
     from flashdraft.data.packing import PackedBatch
@@ -80,15 +81,21 @@ def test_feature_messages_travel_on_their_own_process_group(monkeypatch):
     from flashdraft.dist.topology import Layout, Topology
 
     sent = []
-    op = lambda op, tensor, peer, group=None: SimpleNamespace(op=op, peer=peer, group=group)  # noqa: E731
+    op = lambda op, tensor, peer, group=None: SimpleNamespace(op=op, tensor=tensor, group=group)  # noqa: E731
     monkeypatch.setattr(dist, "P2POp", op)
     monkeypatch.setattr(dist, "batch_isend_irecv", lambda ops: sent.extend(ops) or [])
     group = object()
     ids = torch.zeros(1, 8, dtype=torch.long)
-    stream = [PackedBatch(ids, ids, ids, ids)]
+    stream = [PackedBatch(ids + m, ids, ids, ids) for m in range(7)]
     shape = MessageShape(1, 8, 4, torch.float32)
     target = Topology(0, 2, 0, Layout("split", 1, 1), exchange_group=group)
-    serve_features(target, lambda batch, plain: torch.zeros(1, 8, 4), stream, 1, shape)
-    RemoteFeatures(Topology(1, 2, 1, Layout("split", 1, 1), exchange_group=group), shape)._post(0)
-    assert [op.op for op in sent] == [dist.isend, dist.isend, dist.irecv, dist.irecv]
-    assert all(op.group is group for op in sent)
+    serve_features(target, lambda batch, plain: torch.zeros(1, 8, 4), stream, 7, shape)
+    assert [o.op for o in sent] == [dist.isend] * 14 and all(o.group is group for o in sent)
+    assert len({o.tensor.data_ptr() for o in sent}) == 6  # 3 headers and 3 feature buffers
+    assert int(sent[12].tensor[0]) == 6  # the last message's header holds its own ids
+    sent.clear()
+    drafter = RemoteFeatures(Topology(1, 2, 1, Layout("split", 1, 1), exchange_group=group), shape, 2)
+    for m in range(7):
+        drafter._post(m)
+    assert [o.op for o in sent] == [dist.irecv] * 14 and all(o.group is group for o in sent)
+    assert len({o.tensor.data_ptr() for o in sent}) == 6  # grad_accum 2: 3 headers, 3 buffers

@@ -2,15 +2,15 @@
 
 A message is two fixed-size tensors, so nothing is re-shaped between steps: a header (int64: input
 ids, loss mask, position ids, document ids of the packed rows, then the sender's busy fraction in
-parts per million) and the tapped features (the target's dtype). Their buffers come from the CUDA
-caching allocator, which hands back the same blocks every step (no cudaMalloc in steady state)
-and, through c10d's stream bookkeeping, never reuses a block an in-flight send or receive still
-owns. A hand-kept ring would have to hold grad_accum + 1 receive slots (a step receives all its
-micro-batches before computing any) and order those reuses by hand for the same result.
-Target ranks keep two sends in flight (double buffering), so computing the next micro-batch
-overlaps sending the last; drafter ranks post the receive of their next micro-batch before
-training on the current one. Micro-batch m goes from target rank m % T to drafter rank m % D;
-messages between one pair arrive in order, so both sides agree on m without a handshake.
+parts per million) and the tapped features (the target's dtype). Both sides allocate their
+message buffers once and reuse them in turn. A target rank keeps at most three sends in flight in
+three buffers: it fills buffer n % 3 only after the send of message n - 3 completed, so computing
+the next micro-batch overlaps sending the last two. A drafter rank receives into grad_accum + 1
+buffers: a step takes all its grad_accum micro-batches before computing any and posts the receive
+of the next step's first; by the time a buffer comes round again, the step that read it has been
+queued, and NCCL orders the new receive after the queued work. Micro-batch m goes from target
+rank m % T to drafter rank m % D; messages between one pair arrive in order, so both sides agree
+on m without a handshake.
 Messages travel on their own process group (`Topology.exchange_group`), apart from the drafter
 ranks' gradient all-reduce and any barrier.
 Over gloo (several ranks sharing one GPU) messages are staged in host memory: gloo cannot send
@@ -37,16 +37,22 @@ class MessageShape:
     feature_dim: int
     dtype: torch.dtype
 
+    def buffers(self, count: int, device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return [self.empty(device) for _ in range(count)]
+
     def empty(self, device) -> tuple[torch.Tensor, torch.Tensor]:
         header = torch.empty(4 * self.rows * self.seq_len + 1, dtype=torch.long, device=device)
         feats = torch.empty(self.rows, self.seq_len, self.feature_dim, dtype=self.dtype, device=device)
         return header, feats
 
 
-def pack_header(batch: PackedBatch, busy: float) -> torch.Tensor:
-    parts = [batch.input_ids, batch.loss_mask, batch.position_ids, batch.doc_ids]
-    flat = torch.cat([p.reshape(-1) for p in parts])
-    return torch.cat([flat, flat.new_tensor([int(busy * 1e6)])])
+def pack_header(batch: PackedBatch, busy: float, out: torch.Tensor) -> torch.Tensor:
+    """Write the batch and the busy fraction into the header buffer `out`."""
+    parts = out[:-1].view(4, *batch.input_ids.shape)
+    for i, t in enumerate((batch.input_ids, batch.loss_mask, batch.position_ids, batch.doc_ids)):
+        parts[i].copy_(t)
+    out[-1] = int(busy * 1e6)
+    return out
 
 
 def unpack_header(header: torch.Tensor, shape: MessageShape) -> tuple[PackedBatch, torch.Tensor]:
@@ -82,9 +88,10 @@ def serve_features(
     start: int = 0,
 ) -> None:
     """Target rank loop: compute and send every micro-batch this rank owns from global index
-    `start` on, two sends in flight."""
+    `start` on, at most three sends in flight, each from its own buffer."""
     targets = topo.layout.targets
     first = start + (topo.rank - start) % targets
+    buffers = shape.buffers(3, topo.wire_device)
     in_flight: list[list] = []
     clock = BusyClock()
     for m in range(first, total_micro, targets):
@@ -94,11 +101,13 @@ def serve_features(
         feats = features_fn(batch, cpu.plain_causal).to(shape.dtype).contiguous()
         _drain(topo)
         clock.add(t0, time.perf_counter() - t0)
+        header, sent = buffers[(m // targets) % len(buffers)]  # its last send completed below
+        pack_header(batch, clock.fraction(), header)
+        sent.copy_(feats)
         dst = topo.drafter_rank_for(m)
-        wire = topo.wire_device
         ops = [
-            dist.P2POp(dist.isend, pack_header(batch, clock.fraction()).to(wire), dst, topo.exchange_group),
-            dist.P2POp(dist.isend, feats.to(wire), dst, topo.exchange_group),
+            dist.P2POp(dist.isend, header, dst, topo.exchange_group),
+            dist.P2POp(dist.isend, sent, dst, topo.exchange_group),
         ]
         in_flight.append(dist.batch_isend_irecv(ops))
         if len(in_flight) > 2:  # waiting for a drafter to take a message is not busy time
@@ -125,9 +134,10 @@ class RemoteFeatures:
     which may be a step ahead). The sender's busy fraction stays on the device until read.
     """
 
-    def __init__(self, topo: Topology, shape: MessageShape):
+    def __init__(self, topo: Topology, shape: MessageShape, grad_accum: int = 1):
         self.topo = topo
         self.shape = shape
+        self.buffers = shape.buffers(grad_accum + 1, topo.wire_device)
         self.pending: dict[int, tuple] = {}
         self._wait_s = 0.0
         self._stalls: list[tuple] = []  # CUDA event pairs not yet read
@@ -148,7 +158,7 @@ class RemoteFeatures:
         return 0.0 if self._target_busy is None else float(self._target_busy) / 1e6
 
     def _post(self, m: int) -> None:
-        header, feats = self.shape.empty(self.topo.wire_device)
+        header, feats = self.buffers[(m // self.topo.num_drafters) % len(self.buffers)]
         src = self.topo.target_rank_for(m)
         group = self.topo.exchange_group
         ops = [dist.P2POp(dist.irecv, header, src, group), dist.P2POp(dist.irecv, feats, src, group)]

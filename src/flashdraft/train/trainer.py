@@ -333,7 +333,7 @@ class Trainer:
         self.artifacts_loaded = False
         self.remote = None
         if self.topo.layout.kind == "split" and self.topo.is_drafter:
-            self.remote = RemoteFeatures(self.topo, self.message_shape())
+            self.remote = RemoteFeatures(self.topo, self.message_shape(), cfg.grad_accum)
         if resume:
             self._resume()
 
