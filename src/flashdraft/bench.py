@@ -160,7 +160,7 @@ def run_bench(
     trainer = Trainer(cfg, model, drafter, SyntheticStream(cfg, tcfg.vocab_size), cfg.max_steps, topo)
     del model  # a drafter rank of a split layout keeps only the target's embedding and lm_head
     kept = max(dcfg.target_layer_ids) + 1
-    peak = matmul_tflops(dev) if topo.is_drafter else 0.0
+    peak = matmul_tflops(dev) if topo.is_main else 0.0  # the only rate the result uses
     if dev.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
@@ -255,13 +255,12 @@ def _drafter_bench(trainer: Trainer, dev: torch.device, steps: int, warmup: int)
 def _rank_info(topo, dev, startup: float, first_step: float | None, report=None) -> dict:
     return {
         "rank": topo.rank,
-        "role": "drafter" if topo.layout.kind == "split" and topo.is_drafter else
-                "target" if topo.layout.kind == "split" else "colocated",
+        "role": "colocated" if topo.layout.kind == "colocated" else "target" if topo.is_target else "drafter",
         "peak_mem_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if dev.type == "cuda" else 0.0,
         "startup_s": round(startup, 1),
         "first_step_s": None if first_step is None else round(first_step, 1),
         "compile": report.line() if report else None,
-    }  # fmt: skip
+    }
 
 
 def _gather(topo, info: dict) -> list[dict]:
