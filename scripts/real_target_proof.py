@@ -3,13 +3,14 @@
 No pretrained LLM can be downloaded on these machines, so the proof trains a ~100M-parameter Qwen3
 target on the Python source of the installed packages (real code), with a BPE tokenizer trained on
 the same text; builds prompts from held-out files; has the target rewrite the responses (greedy,
-`data regenerate`'s local backend); trains DFlash drafters with `flashdraft train` (the proof and two
-ablations: no target features, 5 tapped layers instead of 3); measures tau with `flashdraft eval`'s
-engine at T = 0 and T = 1 against plain decoding and the n-gram baseline; exports the drafter and
-decodes it with the reference `dflash` package. Prints one table; writes OUT/proof.json.
-See flashdraft.demo.proof.
+`data regenerate`'s local backend); trains a DFlash drafter (3 layers, 5 taps) with `flashdraft
+train`; measures tau with `flashdraft eval`'s engine at T = 0 and T = 1 against plain decoding and the
+n-gram baseline; exports the drafter and decodes it with the reference `dflash` package. With
+--ablations it then trains the same drafter without target features and with 3 taps (as many steps).
+Prints one table; writes OUT/proof.json. See flashdraft.demo.proof.
 
-    python scripts/real_target_proof.py --out runs/proof [--minutes 9]
+    python scripts/real_target_proof.py --out runs/proof [--minutes 9] [--ablations]
+    python scripts/real_target_proof.py --out runs/proof --resume --ablations   # ablations afterwards
     python scripts/real_target_proof.py --out /tmp/smoke --smoke   # minutes on a CPU, to check the flow
 """
 
@@ -26,7 +27,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--minutes", type=float, default=9.0, help="time budget of the whole run")
-    ap.add_argument("--no-ablations", action="store_true", help="train the main drafter only")
+    ap.add_argument(
+        "--ablations",
+        action="store_true",
+        help="after the main flow: drafters without target features and with 3 taps, and their tau",
+    )
     ap.add_argument("--no-reference", action="store_true", help="skip the reference dflash package")
     ap.add_argument(
         "--resume", action="store_true", help="finish a killed proof in --out (keeps done stages)"
@@ -34,7 +39,7 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU: check the flow only")
     args = ap.parse_args()
     scale = SMOKE if args.smoke else H200
-    run_proof(args.out, args.minutes, scale, not args.no_ablations, not args.no_reference, args.resume)
+    run_proof(args.out, args.minutes, scale, args.ablations, not args.no_reference, args.resume)
 
 
 if __name__ == "__main__":

@@ -12,11 +12,11 @@ pytestmark = pytest.mark.slow
 
 def test_the_proof_runs_every_stage_and_the_reference_package_agrees(tmp_path):
     pytest.importorskip("dflash.model", reason="reference package: pip install --no-deps dflash==0.1.0")
-    run_proof(tmp_path, 1.0, SMOKE)
+    run_proof(tmp_path, 1.0, SMOKE, ablations=True)
     s = json.loads((tmp_path / "proof.json").read_text())
     assert set(s["drafters"]) == set(VARIANTS)
     for name, d in s["drafters"].items():
-        assert d["steps"] >= 50 and 1.0 <= d["tau_train"] <= 16.0
+        assert d["steps"] == s["drafter_steps"] >= 50 and 1.0 <= d["tau_train"] <= 16.0
         assert name == "main" or 1.0 <= d["tau"] <= 16.0
     ablation = Path(s["drafters"]["no_target_features"]["checkpoint"])
     config = json.loads((ablation / "config.json").read_text())
@@ -30,18 +30,19 @@ def test_the_proof_runs_every_stage_and_the_reference_package_agrees(tmp_path):
     step, tau = s["drafters"]["main"]["tau_during_training"][-1]
     assert step == s["drafters"]["main"]["steps"] and tau == pytest.approx(s["tau_T0"], rel=0.1)
     assert set(s["seconds"]) >= {"target_s", "drafters_s", "eval_T0_s", "reference_s", "eval_T1_s"}
+    assert s["seconds"]["ablation_drafters_s"] > 0 and s["main_flow_s"] < s["wall_s"]
 
     # a run killed after its drafters: --resume trains nothing again and measures what is missing
     with pytest.raises(FileExistsError, match="--resume"):
         run_proof(tmp_path, 1.0, SMOKE)
     cut = json.loads(json.dumps({k: v for k, v in s.items() if k not in ("tau_T1", "reference")}))
-    cut["drafters"]["taps_5"].pop("tau")
+    cut["drafters"]["taps_3"].pop("tau")
     (tmp_path / "proof.json").write_text(json.dumps(cut))
     trained = {p: p.stat().st_mtime_ns for p in tmp_path.glob("runs/*/checkpoints/*/model.safetensors")}
-    again = run_proof(tmp_path, 1.0, SMOKE, resume=True)
+    again = run_proof(tmp_path, 1.0, SMOKE, ablations=True, resume=True)
     assert {
         p: p.stat().st_mtime_ns for p in tmp_path.glob("runs/*/checkpoints/*/model.safetensors")
     } == trained
     assert again["tau_T1"] == pytest.approx(s["tau_T1"])  # same seed, same drafter: same samples
-    assert again["drafters"]["taps_5"]["tau"] == s["drafters"]["taps_5"]["tau"]
+    assert again["drafters"]["taps_3"]["tau"] == s["drafters"]["taps_3"]["tau"]
     assert again["reference"]["samples_with_our_tau"] == SMOKE.eval_prompts

@@ -31,6 +31,9 @@ QWEN3_MASK_ID = 151669
 SHAPES: dict[str, dict] = {
     "tiny": dict(hidden_size=64, intermediate_size=192, num_hidden_layers=6, num_attention_heads=4,
                  num_key_value_heads=2, head_dim=16, vocab_size=512, tie_word_embeddings=False),
+    # the target scripts/real_target_proof.py trains (flashdraft.demo.pipeline.H200)
+    "proof-95m": dict(hidden_size=768, intermediate_size=2304, num_hidden_layers=12, num_attention_heads=12,
+                      num_key_value_heads=4, head_dim=64, vocab_size=8192, tie_word_embeddings=False),
     "qwen3-0.6b": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
                        num_key_value_heads=8, head_dim=128, vocab_size=QWEN3_VOCAB, tie_word_embeddings=True),
     "qwen3-4b": dict(hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32,

@@ -33,10 +33,12 @@ class Scale:
     target: dict = field(default_factory=lambda: dict(hidden=128, layers=6, heads=4, kv_heads=2))
     target_batch: int = 16
     target_lr: float = 3e-3
+    target_compile: bool = False  # torch.compile the target's training forward
     prompt_tokens: int = 48
     response_tokens: int = 64
     conversations: int = 960
     regen_batch: int = 64
+    prepare_procs: int = 1  # processes that tokenize in `data prepare`
     drafter: dict = field(default_factory=lambda: {"drafter.num_layers": 2, "drafter.num_taps": 2})
     preset: str = "tiny_cpu"
     drafter_step_s: float = 0.15  # to turn the time budget into a step count
@@ -51,23 +53,27 @@ H200 = Scale(
     device="cuda",
     vocab_size=8192,
     target=dict(hidden=768, layers=12, heads=12, kv_heads=4),
-    target_batch=64,
+    # eager: 255K tok/s at 128 rows, 192K at 64 (benchmarks/proof_stages.py)
+    target_batch=128,
     target_lr=1e-3,
     prompt_tokens=64,
     response_tokens=128,
-    conversations=20000,  # session 2's 9,000 were seen ~7 times: tau_train 7.1 vs held-out 3.1
-    regen_batch=1024,
+    # session 3's 20,000 were seen 4.5 times: tau_train 6.3 vs held-out 3.2; 446 conversations/s at 8192
+    conversations=40960,
+    regen_batch=8192,
+    prepare_procs=8,
     drafter={
         "drafter.num_layers": 3,
-        "drafter.num_taps": 3,
+        "drafter.num_taps": 5,  # session 3's ablation: tau 3.36 with 5 taps, 3.17 with 3
         "data.seq_len": 2048,
-        "data.rows_per_batch": 2,
+        "data.rows_per_batch": 4,
         "num_anchors": 256,
         "optim.lr": 1e-3,
     },
     preset="default",
-    # 1 row per step: 25 ms/step each with 3 drafters training at once (80K ctx tok/s each)
-    drafter_step_s=0.05,
+    # `flashdraft bench --shape proof-95m --rows-per-batch 4 --drafter-layers 3 --seq-len 2048
+    # --anchors 256`: 34.6 ms per step alone on the GPU
+    drafter_step_s=0.035,
     eval_prompts=12,
     target_share=0.2,
     drafter_share=0.5,
@@ -129,26 +135,32 @@ def pretrain_target(model, tokenizer, pairs: list[dict], seconds: float, progres
         labels[i, : len(e)] = torch.tensor(e)
     device = torch.device(scale.device)
     model.to(device)
-    opt = torch.optim.AdamW(model.parameters(), lr=scale.target_lr, weight_decay=0.01)
-    g = torch.Generator().manual_seed(0)
+    ids, labels = ids.to(device), labels.to(device)
+    opt = torch.optim.AdamW(
+        model.parameters(), lr=scale.target_lr, weight_decay=0.01, fused=device.type == "cuda"
+    )
+    forward = torch.compile(model) if scale.target_compile else model
+    g = torch.Generator(device).manual_seed(0)
     model.train()
     start, step, loss = time.time(), 0, float("nan")
     while time.time() - start < seconds:
         frac = (time.time() - start) / seconds
         for group in opt.param_groups:
             group["lr"] = scale.target_lr * min(1.0, (step + 1) / 20) * max(0.05, 1 - frac)
-        idx = torch.randint(0, len(enc), (scale.target_batch,), generator=g)
+        idx = torch.randint(0, len(enc), (scale.target_batch,), generator=g, device=device)
         with torch.autocast(device.type, torch.bfloat16, enabled=device.type == "cuda"):
-            out = model(input_ids=ids[idx].to(device), labels=labels[idx].to(device))
+            out = forward(input_ids=ids[idx], labels=labels[idx])
         out.loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad()
         step += 1
-        loss = out.loss.item()
-        progress.update(
-            task, completed=min(seconds, time.time() - start), description=f"target loss {loss:.3f}"
-        )
+        if step % 10 == 0:  # reading the loss waits for the GPU: not every step
+            loss = out.loss.item()
+            progress.update(
+                task, completed=min(seconds, time.time() - start), description=f"target loss {loss:.3f}"
+            )
+    loss = out.loss.item()
     model.eval().to("cpu")
     return step, loss
 
@@ -171,6 +183,7 @@ def prepare(out: Path, budget_s: float, scale: Scale, console: Console) -> Prepa
     """Steps 1-3: tokenizer and target trained on real code, conversations the target rewrites, shards."""
     from flashdraft.data.prepare import PrepareOptions, prepare_dataset
     from flashdraft.data.regenerate import LocalBackend, regenerate_file
+    from flashdraft.model.target import load_target
 
     clock = StageClock()
     files = source_files(scale)
@@ -202,16 +215,18 @@ def prepare(out: Path, budget_s: float, scale: Scale, console: Console) -> Prepa
             record = {"id": f"demo-{i}", "messages": chat(pairs[i]["prompt"], pairs[i]["response"])}
             f.write(json.dumps(record) + "\n")
     regenerated = data_dir / "regenerated.jsonl"
-    target.to(scale.device)
+    served, _ = load_target(target_dir, scale.device)  # the target as training and decoding load it (bf16)
     backend = LocalBackend(
-        target, tokenizer, max_new_tokens=scale.response_tokens, temperature=0.0, batch_size=scale.regen_batch
+        served, tokenizer, max_new_tokens=scale.response_tokens, temperature=0.0, batch_size=scale.regen_batch
     )
     with console.status("the target rewrites the assistant turns (greedy): flashdraft data regenerate"):
         regenerate_file(backend, str(source), regenerated, progress=False)
-    target.to("cpu")
+    del served, backend
     clock.lap("regenerate_s")
     options = PrepareOptions(
-        max_length=4 * (scale.prompt_tokens + scale.response_tokens), cache_dir=out / "cache"
+        max_length=4 * (scale.prompt_tokens + scale.response_tokens),
+        cache_dir=out / "cache",
+        num_proc=scale.prepare_procs,
     )
     stats = prepare_dataset(str(regenerated), tokenizer, data_dir, options)
     console.print(f"data: {stats['kept']} conversations, {stats['loss_tokens']} loss tokens -> {data_dir}")

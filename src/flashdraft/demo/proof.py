@@ -1,15 +1,16 @@
 """The proof on a target trained here (scripts/real_target_proof.py): the demo's flow at GPU scale,
-with the drafter trained by `flashdraft train`, ablations, T = 0 and T = 1, and the reference package.
+with the drafter trained by `flashdraft train`, T = 0 and T = 1, the reference package, and ablations.
 
+The main flow, inside the time budget:
 1. `prepare` (flashdraft.demo.pipeline): tokenizer + Qwen3 target trained on real code, held-out
    prompts, conversations the target rewrites greedily, token shards;
-2. drafters trained by `flashdraft train` subprocesses, started together so that they share the GPU
-   and the time budget: the main one (tau on the held-out prompts halfway and at the end) and two
-   ablations - the same drafter tapping only the token embedding (no target features), and tapping
-   5 layers;
-3. `compare_methods` (flashdraft eval) for the main drafter at T = 0 and T = 1: DFlash, n-gram and
-   plain decoding on the held-out prompts; greedy tau of each ablation;
-4. the main drafter exported to the z-lab layout and decoded by the reference `dflash` package.
+2. the main drafter (5 tapped layers) trained alone on the GPU by a `flashdraft train` subprocess,
+   with tau on the held-out prompts halfway and at the end;
+3. `compare_methods` (flashdraft eval) at T = 0: DFlash, n-gram and plain decoding on the held-out
+   prompts; the drafter exported to the z-lab layout and decoded by the reference `dflash` package;
+   the same comparison at T = 1.
+Then, with ablations=True: the same drafter tapping only the token embedding (no target features) and
+tapping 3 layers, trained together for as many steps as the main one, and their greedy tau.
 """
 
 from __future__ import annotations
@@ -34,9 +35,9 @@ from flashdraft.demo.pipeline import H200, Scale, StageClock, prepare
 
 # name -> config overrides on top of the scale's drafter; "main" is the proof, the others ablations
 VARIANTS: dict[str, dict] = {
-    "main": {},
+    "main": {},  # 5 tapped layers (H200: [1, 3, 5, 7, 9])
     "no_target_features": {"drafter.target_layer_ids": [-1]},
-    "taps_5": {"drafter.num_taps": 5},
+    "taps_3": {"drafter.num_taps": 3},
 }
 
 
@@ -49,8 +50,9 @@ SMOKE = dataclasses.replace(
     target_batch=8,
     conversations=64,
     regen_batch=32,
+    prepare_procs=1,
     response_tokens=32,
-    drafter={"drafter.num_layers": 1, "drafter.num_taps": 3, "data.seq_len": 512, "num_anchors": 32},
+    drafter={"drafter.num_layers": 1, "drafter.num_taps": 5, "data.seq_len": 512, "num_anchors": 32},
     drafter_step_s=1.0,
     eval_prompts=4,
     source_bytes=3_000_000,
@@ -147,16 +149,44 @@ def reference_tau(
     return {"tau": mean_tau(taus), "tau_per_sample": taus}
 
 
+def train_drafters(
+    names: list[str], steps: int, summary: dict, out: Path, scale: Scale, prompts_path: Path
+) -> dict:
+    """`flashdraft train` for each variant, all at once (they share the GPU); the first failure stops all."""
+    target_dir, data = Path(summary["target_dir"]), Path(summary["data_dir"])
+    for n in names:  # a killed earlier attempt: train again
+        shutil.rmtree(out / "runs" / n, ignore_errors=True)
+    runs = [
+        start_drafter(
+            n, target_dir, data, out, scale, steps, VARIANTS[n], prompts_path if n == "main" else None
+        )
+        for n in names
+    ]
+    try:
+        while any(r.process.poll() is None for r in runs):
+            failed = [r for r in runs if r.process.poll() not in (None, 0)]
+            if failed:
+                finish_drafter(failed[0])
+            time.sleep(0.5)
+        return {r.name: finish_drafter(r) for r in runs}
+    finally:  # one failed: stop the others rather than leave them training
+        for r in runs:
+            if r.process.poll() is None:
+                r.process.kill()
+
+
 def run_proof(
     out: Path,
     budget_minutes: float,
     scale: Scale,
-    ablations: bool = True,
+    ablations: bool = False,
     reference: bool = True,
     resume: bool = False,
 ) -> dict:
-    """Every stage in order; OUT/proof.json is rewritten after each. resume=True keeps the stages an
-    earlier (killed) run of the same OUT finished and does the rest."""
+    """Every stage in order; OUT/proof.json is rewritten after each. The main flow (target, data, main
+    drafter, evals, reference package) fits the time budget; ablations, when asked for, come after it:
+    each trains as many steps as the main drafter did. resume=True keeps the stages an earlier (killed)
+    run of the same OUT finished and does the rest."""
     from flashdraft.eval.report import compare_methods, write_report
     from flashdraft.eval.spec import encode_prompt, eval_tau, read_prompts
     from flashdraft.export.formats import export_checkpoint
@@ -199,34 +229,14 @@ def run_proof(
     target_dir = Path(summary["target_dir"])
     prompts = read_prompts(prompts_path)
 
-    names = list(VARIANTS) if ablations else ["main"]
-    if set(names) - set(summary.get("drafters", {})):
+    if "main" not in summary.get("drafters", {}):
         remaining = budget - (time.time() - t_start)
         steps = max(50, int(scale.drafter_share * remaining / scale.drafter_step_s))
-        console.print(f"drafters {names}: {steps} steps each, trained together ({remaining:.0f} s left)")
-        shutil.rmtree(out / "runs", ignore_errors=True)  # a killed earlier attempt: train again
-        data = Path(summary["data_dir"])
-        runs = [
-            start_drafter(
-                n, target_dir, data, out, scale, steps, VARIANTS[n], prompts_path if n == "main" else None
-            )
-            for n in names
-        ]
-        try:
-            while any(r.process.poll() is None for r in runs):  # the first failure ends the stage
-                failed = [r for r in runs if r.process.poll() not in (None, 0)]
-                if failed:
-                    finish_drafter(failed[0])
-                time.sleep(0.5)
-            drafters = {r.name: finish_drafter(r) for r in runs}
-        finally:  # one failed: stop the others rather than leave them training
-            for r in runs:
-                if r.process.poll() is None:
-                    r.process.kill()
+        console.print(f"main drafter: {steps} steps ({remaining:.0f} s of the budget left)")
+        drafters = train_drafters(["main"], steps, summary, out, scale, prompts_path)
         clock.lap("drafters_s")
-        save(drafter=dict(scale.drafter), drafters=drafters)
-    drafters = summary["drafters"]
-    main = drafters["main"]
+        save(drafter=dict(scale.drafter), drafter_steps=steps, drafters=drafters)
+    main = summary["drafters"]["main"]
 
     def evaluate(temperature: float) -> None:
         t = f"T{temperature:g}"
@@ -259,13 +269,6 @@ def run_proof(
     evaluate(0.0)
     model, tokenizer = load_target(target_dir, scale.device)
     prompt_ids = [encode_prompt(tokenizer, m) for m in prompts]
-    for name in names[1:]:
-        if "tau" not in drafters[name]:
-            drafter = load_drafter(drafters[name]["checkpoint"], scale.device, dtype=model.dtype).eval()
-            drafters[name]["tau"] = eval_tau(model, tokenizer, drafter, prompt_ids, scale.response_tokens)
-            clock.lap(f"eval_{name}_s")
-            save()
-
     if reference and "reference" not in summary:
         export_dir = out / "export" / "zlab"
         if not export_dir.exists():  # the export is atomic: a directory there is complete
@@ -276,8 +279,25 @@ def run_proof(
         ref["samples_with_our_tau"] = sum(same)
         clock.lap("reference_s")
         save(reference=ref)
-
     evaluate(1.0)
+    if "main_flow_s" not in summary:  # the figure the time budget is about
+        save(main_flow_s=round(summary["wall_s"] + clock.since_start(), 1))
+
+    names = [n for n in VARIANTS if n != "main"] if ablations else []
+    todo = [n for n in names if n not in summary["drafters"]]
+    if todo:
+        steps = summary["drafter_steps"]
+        console.print(f"ablations {todo}: {steps} steps each, as the main drafter, trained together")
+        trained = train_drafters(todo, steps, summary, out, scale, prompts_path)
+        clock.lap("ablation_drafters_s")
+        save(drafters=summary["drafters"] | trained)
+    for name in names:
+        d = summary["drafters"][name]
+        if "tau" not in d:
+            drafter = load_drafter(d["checkpoint"], scale.device, dtype=model.dtype).eval()
+            d["tau"] = eval_tau(model, tokenizer, drafter, prompt_ids, scale.response_tokens)
+            clock.lap(f"eval_{name}_s")
+            save()
     print_proof(summary, console)
     return summary
 

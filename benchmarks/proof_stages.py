@@ -1,0 +1,102 @@
+"""Throughput of the proof's two target stages at several settings, to size scripts/real_target_proof.py.
+
+1. Target pretraining (flashdraft.demo.pipeline.pretrain_target) at several batch sizes, eager or
+   compiled: steps/s and tokens/s after the first 20% of each run (warm-up, compilation), and the loss
+   reached in the same number of seconds.
+2. Greedy regeneration (flashdraft.data.regenerate.LocalBackend, bf16, the last target trained) at
+   several batch sizes: conversations/s and new tokens/s.
+
+The drafter's step time comes from `flashdraft bench --shape proof-95m`.
+
+    python benchmarks/proof_stages.py --out runs/stages [--seconds 20]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from flashdraft.demo.pipeline import H200, chat, code_windows, pretrain_target, source_files
+from flashdraft.demo.tiny import build_tiny_target, build_tokenizer
+
+
+class Recorder:
+    """Stands in for rich's Progress: keeps (wall time, seconds done) of every update."""
+
+    def __init__(self):
+        self.points: list[tuple[float, float]] = []
+
+    def update(self, task, completed: float, description: str) -> None:
+        self.points.append((time.time(), completed))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--seconds", type=float, default=20.0, help="training time per target setting")
+    ap.add_argument("--batches", default="64,128,256", help="target batch sizes (eager)")
+    ap.add_argument("--compiled", default="256", help="target batch sizes also run compiled")
+    ap.add_argument("--regen-batches", default="1024,4096")
+    ap.add_argument("--source-mb", type=float, default=15.0, help="Python source to train on")
+    ap.add_argument("--smoke", action="store_true", help="the proof's CPU shapes: check the script only")
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+
+    from flashdraft.demo.proof import SMOKE
+
+    scale = dataclasses.replace(SMOKE if args.smoke else H200, source_bytes=int(args.source_mb * 1e6))
+    sync = torch.cuda.synchronize if scale.device == "cuda" else lambda: None
+    texts = [f.read_text(errors="replace") for f in source_files(scale)]
+    tokenizer = build_tokenizer(texts, vocab_size=scale.vocab_size)
+    pairs = code_windows(texts, tokenizer, scale.prompt_tokens, scale.response_tokens)
+    seq = scale.prompt_tokens + scale.response_tokens + 16
+    rows = []
+    runs = [(int(b), False) for b in args.batches.split(",")]
+    runs += [(int(b), True) for b in args.compiled.split(",") if b]
+    model = None
+    for batch, compiled in runs:
+        torch.manual_seed(0)
+        model = build_tiny_target(tokenizer, **scale.target)
+        s = dataclasses.replace(scale, target_batch=batch, target_compile=compiled)
+        rec = Recorder()
+        steps, loss = pretrain_target(model, tokenizer, pairs, args.seconds, rec, None, s)
+        warm = [p for p in rec.points if p[1] >= 0.2 * args.seconds]
+        if len(warm) < 2:
+            raise SystemExit(f"batch {batch} compiled={compiled}: too few steps in {args.seconds} s to time")
+        (t0, _), (t1, _) = warm[0], warm[-1]
+        rate = 10 * (len(warm) - 1) / (t1 - t0)  # one update every 10 steps
+        rows.append(
+            {"stage": "target", "batch": batch, "compiled": compiled, "steps": steps, "loss": loss,
+             "steps_s": rate, "tok_s": rate * batch * seq}
+        )  # fmt: skip
+        print(rows[-1], flush=True)
+
+    model = model.to(scale.device, torch.bfloat16 if scale.device == "cuda" else torch.float32)
+    from flashdraft.data.regenerate import LocalBackend
+
+    for batch in [int(b) for b in args.regen_batches.split(",")]:
+        convs = [chat(p["prompt"], p["response"]) for p in pairs[:batch]]
+        backend = LocalBackend(model, tokenizer, max_new_tokens=scale.response_tokens, batch_size=batch)
+        backend.regenerate(convs[:8])  # warm-up
+        sync()
+        t = time.time()
+        done = backend.regenerate(convs)
+        sync()
+        seconds = time.time() - t
+        new = sum(len(tokenizer(c[-1]["content"])["input_ids"]) for c in done)
+        peak = torch.cuda.max_memory_allocated() / 2**30 if scale.device == "cuda" else 0.0
+        rows.append(
+            {"stage": "regenerate", "batch": batch, "seconds": seconds, "conv_s": batch / seconds,
+             "new_tok_s": new / seconds, "peak_gib": peak}
+        )  # fmt: skip
+        print(rows[-1], flush=True)
+    (args.out / "stages.json").write_text(json.dumps(rows, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
