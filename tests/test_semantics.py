@@ -183,6 +183,44 @@ def test_packing_keeps_documents_whole_and_in_order():
     assert batch.position_ids[0, 50] == 0 and batch.position_ids[0, 149] == 99  # positions restart
 
 
+def test_loader_batches_lay_documents_end_to_end_as_a_token_loop_would(tmp_path):
+    """The loader's vectorised collation against the plain per-document loop it replaced."""
+    from flashdraft.data.packing import (
+        MicroBatchStream,
+        PackedLoader,
+        load_token_dataset,
+        save_token_dataset,
+    )
+
+    g = torch.Generator().manual_seed(0)
+    lengths = [5, 64, 17, 90, 3, 40, 33, 8, 71, 26, 12, 50]  # 90 and 71 are longer than a row
+    docs = [
+        {"input_ids": torch.randint(1, 100, (n,), generator=g).tolist(),
+         "loss_mask": torch.randint(0, 2, (n,), generator=g).tolist()}
+        for n in lengths
+    ]  # fmt: skip
+    save_token_dataset(docs, tmp_path)
+    loader = PackedLoader(load_token_dataset(tmp_path), seq_len=64, rows_per_batch=2, pad_token_id=0, seed=3)
+    stream = MicroBatchStream(loader, epochs=2)
+    for m in range(len(stream)):
+        epoch, index = stream.locate(m)
+        rows = loader.rows(epoch)[index * 2 : index * 2 + 2]
+        got = stream[m]
+        for r, row in enumerate(rows):
+            ids, mask, pos, doc = [], [], [], []
+            for d, j in enumerate(row):
+                n = min(lengths[j], 64 - len(ids))
+                ids += docs[j]["input_ids"][:n]
+                mask += docs[j]["loss_mask"][:n]
+                pos += list(range(n))
+                doc += [d] * n
+            pad = 64 - len(ids)
+            assert got.input_ids[r].tolist() == ids + [0] * pad
+            assert got.loss_mask[r].tolist() == mask + [0] * pad
+            assert got.position_ids[r].tolist() == pos + [0] * pad
+            assert got.doc_ids[r].tolist() == doc + [-1] * pad
+
+
 def test_training_tau_counts_correct_slots_up_to_the_first_miss():
     """Block 4 (slots 1..3 have labels); logits = hidden through an identity lm_head, so hits are chosen."""
     from flashdraft.train.loss import block_loss

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 SHARDS = "shards"
@@ -80,21 +81,53 @@ class PackedBatch:
 
 
 def collate_rows(docs_per_row: Sequence[Sequence[dict]], seq_len: int, pad_token_id: int) -> PackedBatch:
+    """Rows from documents {input_ids, loss_mask}: row r holds docs_per_row[r], laid end to end."""
+    docs = [rec for row in docs_per_row for rec in row]
+    if any(len(d["input_ids"]) != len(d["loss_mask"]) for d in docs):
+        raise ValueError("a document's loss_mask and input_ids differ in length")
+    cat = lambda key: np.concatenate([np.asarray(d[key], dtype=np.int64) for d in docs] or [[]])  # noqa: E731
+    lengths = np.array([len(d["input_ids"]) for d in docs], dtype=np.int64)
+    counts = [len(row) for row in docs_per_row]
+    return collate_flat(cat("input_ids"), cat("loss_mask"), lengths, counts, seq_len, pad_token_id)
+
+
+def collate_flat(
+    ids: np.ndarray,
+    loss_mask: np.ndarray,
+    lengths: np.ndarray,
+    docs_per_row: Sequence[int],
+    seq_len: int,
+    pad_token_id: int,
+) -> PackedBatch:
+    """Rows from documents stored end to end in flat arrays (`lengths` each): row r takes the next
+    docs_per_row[r] documents and is cut at `seq_len`; vectorised, since the loader builds one batch
+    per micro-step on the training process (a loop over tokens cost ~9 ms per 4 x 2048 batch)."""
     b = len(docs_per_row)
-    ids = torch.full((b, seq_len), pad_token_id, dtype=torch.long)
-    mask = torch.zeros(b, seq_len, dtype=torch.long)
-    pos = torch.zeros(b, seq_len, dtype=torch.long)
-    doc = torch.full((b, seq_len), -1, dtype=torch.long)
-    for r, docs in enumerate(docs_per_row):
-        at = 0
-        for d, rec in enumerate(docs):
-            n = min(len(rec["input_ids"]), seq_len - at)
-            ids[r, at : at + n] = torch.as_tensor(rec["input_ids"][:n])
-            mask[r, at : at + n] = torch.as_tensor(rec["loss_mask"][:n])
-            pos[r, at : at + n] = torch.arange(n)
-            doc[r, at : at + n] = d
-            at += n
-    return PackedBatch(ids, mask, pos, doc)
+    out_ids = np.full((b, seq_len), pad_token_id, dtype=np.int64)
+    out_mask = np.zeros((b, seq_len), dtype=np.int64)
+    positions = np.zeros((b, seq_len), dtype=np.int64)
+    doc_ids = np.full((b, seq_len), -1, dtype=np.int64)
+    ends = np.cumsum(lengths)
+    first = 0
+    for r, count in enumerate(docs_per_row):
+        lens = lengths[first : first + count]
+        lo = int(ends[first] - lens[0]) if count else 0
+        total = int(lens.sum())
+        n = min(total, seq_len)
+        out_ids[r, :n] = ids[lo : lo + n]
+        out_mask[r, :n] = loss_mask[lo : lo + n]
+        starts = np.repeat(np.cumsum(lens) - lens, lens)
+        positions[r, :n] = (np.arange(total) - starts)[:n]
+        doc_ids[r, :n] = np.repeat(np.arange(count), lens)[:n]
+        first += count
+    return PackedBatch(*(torch.from_numpy(a) for a in (out_ids, out_mask, positions, doc_ids)))
+
+
+def _flat_lists(column) -> tuple[np.ndarray, np.ndarray]:
+    """An Arrow list column -> (all values end to end, each list's length)."""
+    lists = column.combine_chunks()
+    values = lists.flatten().to_numpy(zero_copy_only=False).astype(np.int64, copy=False)
+    return values, lists.value_lengths().to_numpy(zero_copy_only=False).astype(np.int64)
 
 
 class PackedLoader:
@@ -102,6 +135,7 @@ class PackedLoader:
 
     def __init__(self, dataset, seq_len: int, rows_per_batch: int, pad_token_id: int, seed: int):
         self.ds = dataset
+        self.arrow = dataset.with_format("arrow")  # whole batches read as Arrow columns, not row dicts
         self.seq_len = seq_len
         self.rows_per_batch = rows_per_batch
         self.pad_token_id = pad_token_id
@@ -123,8 +157,12 @@ class PackedLoader:
 
     def batch(self, epoch: int, index: int) -> PackedBatch:
         rows = self.rows(epoch)[index * self.rows_per_batch : (index + 1) * self.rows_per_batch]
-        docs = [[self.ds[j] for j in row] for row in rows]
-        return collate_rows(docs, self.seq_len, self.pad_token_id)
+        table = self.arrow[[j for row in rows for j in row]]
+        ids, lengths = _flat_lists(table.column("input_ids"))
+        loss_mask, mask_lengths = _flat_lists(table.column("loss_mask"))
+        if not np.array_equal(lengths, mask_lengths):
+            raise ValueError("a document's loss_mask and input_ids differ in length")
+        return collate_flat(ids, loss_mask, lengths, [len(r) for r in rows], self.seq_len, self.pad_token_id)
 
 
 class MicroBatchStream:
