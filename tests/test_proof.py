@@ -5,7 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from flashdraft.demo.proof import SMOKE, VARIANTS, run_proof
+from flashdraft.demo.pipeline import H200
+from flashdraft.demo.proof import SMOKE, VARIANTS, drafter_steps, run_proof
 
 pytestmark = pytest.mark.slow
 
@@ -46,3 +47,11 @@ def test_the_proof_runs_every_stage_and_the_reference_package_agrees(tmp_path):
     assert again["tau_T1"] == pytest.approx(s["tau_T1"])  # same seed, same drafter: same samples
     assert again["drafters"]["taps_3"]["tau"] == s["drafters"]["taps_3"]["tau"]
     assert again["reference"]["samples_with_our_tau"] == SMOKE.eval_prompts
+
+
+def test_the_drafter_budget_leaves_room_for_the_evals():
+    # attempt 5 had 306 s left after the data stages and planned as if the evals were free
+    steps = drafter_steps(306, H200)
+    assert H200.drafter_startup_s + steps * H200.drafter_step_s + H200.proof_eval_s <= 306
+    assert drafter_steps(306 + 10 * H200.drafter_step_s, H200) == steps + 10
+    assert drafter_steps(0, H200) == 50

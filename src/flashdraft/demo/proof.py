@@ -54,6 +54,8 @@ SMOKE = dataclasses.replace(
     response_tokens=32,
     drafter={"drafter.num_layers": 1, "drafter.num_taps": 5, "data.seq_len": 512, "num_anchors": 32},
     drafter_step_s=1.0,
+    proof_eval_s=20.0,
+    drafter_startup_s=10.0,
     eval_prompts=4,
     source_bytes=3_000_000,
 )
@@ -175,6 +177,13 @@ def train_drafters(
                 r.process.kill()
 
 
+def drafter_steps(remaining_s: float, scale: Scale) -> int:
+    """Steps that fit what is left of the budget once the drafter's start-up and the evals that
+    follow it are set aside, at the measured step time (at least 50)."""
+    training_s = remaining_s - scale.proof_eval_s - scale.drafter_startup_s
+    return max(50, int(training_s / scale.drafter_step_s))
+
+
 def run_proof(
     out: Path,
     budget_minutes: float,
@@ -220,6 +229,7 @@ def run_proof(
         prompts_path.write_text("".join(json.dumps({"messages": m}) + "\n" for m in prep.eval_prompts))
         laps |= prep.summary.pop("seconds")
         save(
+            budget_s=budget,
             device=torch.cuda.get_device_name() if scale.device == "cuda" else "cpu",
             torch=torch.__version__,
             target_dir=str(prep.target_dir),
@@ -231,8 +241,11 @@ def run_proof(
 
     if "main" not in summary.get("drafters", {}):
         remaining = budget - (time.time() - t_start)
-        steps = max(50, int(scale.drafter_share * remaining / scale.drafter_step_s))
-        console.print(f"main drafter: {steps} steps ({remaining:.0f} s of the budget left)")
+        steps = drafter_steps(remaining, scale)
+        console.print(
+            f"main drafter: {steps} steps ({remaining:.0f} s of the budget left, "
+            f"{scale.proof_eval_s:.0f} s of it kept for the evals)"
+        )
         drafters = train_drafters(["main"], steps, summary, out, scale, prompts_path)
         clock.lap("drafters_s")
         save(drafter=dict(scale.drafter), drafter_steps=steps, drafters=drafters)
