@@ -17,6 +17,7 @@ Prints one table; writes OUT/proof.json. See flashdraft.demo.proof.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from pathlib import Path
 
 from flashdraft.demo.pipeline import H200
@@ -37,8 +38,11 @@ def main() -> None:
         "--resume", action="store_true", help="finish a killed proof in --out (keeps done stages)"
     )
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU: check the flow only")
+    ap.add_argument(
+        "--cuda-graphs", action="store_true", help="evals on fixed-shape caches replayed as CUDA graphs"
+    )
     args = ap.parse_args()
-    scale = SMOKE if args.smoke else H200
+    scale = dataclasses.replace(SMOKE if args.smoke else H200, cuda_graphs=args.cuda_graphs)
     run_proof(args.out, args.minutes, scale, args.ablations, not args.no_reference, args.resume)
 
 

@@ -36,6 +36,9 @@ def eval_cmd(
     max_prompts: int | None = typer.Option(None, min=1, help="use the first N prompts only"),
     device: str | None = typer.Option(None, help="cpu or cuda (default: cuda when visible)"),
     seed: int = typer.Option(0, help="sampling seed (T > 0)"),
+    cuda_graphs: bool = typer.Option(
+        False, help="fixed-shape caches; on a GPU every forward replays as a CUDA graph (less host time)"
+    ),
 ) -> None:
     """Speculative decoding with target + drafter: tau, per-position acceptance, speedup vs plain decoding
     and vs prompt lookup (n-gram), written as a JSON report with a plot."""
@@ -55,6 +58,7 @@ def eval_cmd(
             device,
             seed,
             progress=lambda i, n: typer.echo(f"prompt {i}/{n}", err=True),
+            cuda_graphs=cuda_graphs,
         )
     except (ValueError, FileNotFoundError, OSError) as e:
         _fail(str(e))

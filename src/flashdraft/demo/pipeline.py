@@ -48,6 +48,7 @@ class Scale:
     # the proof plans its drafter from measured costs instead: what follows the drafter's steps
     proof_eval_s: float = 60.0  # T = 0 and T = 1 evals and the reference package
     drafter_startup_s: float = 15.0  # process start, compilation, the tau probes
+    cuda_graphs: bool = False  # the proof's evals on fixed-shape caches replayed as CUDA graphs
     source_bytes: int | None = None  # None: the standard library; else this much installed Python source
 
 

@@ -262,6 +262,7 @@ def run_proof(
             max_new_tokens=scale.response_tokens,
             temperature=temperature,
             device=scale.device,
+            cuda_graphs=scale.cuda_graphs,
         )
         write_report(report, out / "eval" / f"report_{t}.json")
         clock.lap(f"eval_{t}_s")

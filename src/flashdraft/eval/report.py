@@ -176,9 +176,11 @@ def compare_methods(
     device: str | None = None,
     seed: int = 0,
     progress=None,
+    cuda_graphs: bool = False,
 ) -> dict:
     """Load the target (HF directory or hub id) and the drafter checkpoint, decode every conversation with
-    plain decoding, DFlash and prompt lookup, and return the report (`build_report`)."""
+    plain decoding, DFlash and prompt lookup, and return the report (`build_report`). cuda_graphs: see
+    `run_methods`."""
     import torch
 
     from flashdraft.model.checkpoint import load_drafter
@@ -191,7 +193,9 @@ def compare_methods(
     block = block_size or draft.block_size
     ids = [encode_prompt(tokenizer, c, thinking) for c in conversations]
     stops = stop_token_ids(model, tokenizer)
-    results = run_methods(spec_target, draft, ids, max_new_tokens, block, temperature, stops, seed, progress)
+    results = run_methods(
+        spec_target, draft, ids, max_new_tokens, block, temperature, stops, seed, progress, cuda_graphs
+    )
     settings = {
         "target": str(target),
         "drafter": str(drafter),
@@ -203,5 +207,6 @@ def compare_methods(
         "device": str(device),
         "dtype": str(model.dtype).removeprefix("torch."),
         "seed": seed,
+        "cuda_graphs": cuda_graphs,
     }
     return build_report(settings, results, block)

@@ -37,6 +37,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from flashdraft.eval.ngram import NgramProposer
+from flashdraft.eval.static import Graphs, StaticDFlashProposer, StaticTarget
 from flashdraft.model.drafter import DFlashDrafter, Visibility
 from flashdraft.model.target import Target
 
@@ -124,18 +125,13 @@ class DFlashProposer:
 
 
 def _verify(
-    target: Target,
-    cache: DynamicCache,
-    block: torch.Tensor,
-    temperature: float,
-    generator: torch.Generator | None,
-) -> tuple[list[int], torch.Tensor]:
-    """Target forward over the block: (accepted drafts + the bonus token, features of the block)."""
-    logits, features = target.decode(block, cache)
+    logits: torch.Tensor, block: torch.Tensor, temperature: float, generator: torch.Generator | None
+) -> list[int]:
+    """From the target's logits over the block: the accepted drafts + the bonus token."""
     picked = sample_tokens(logits[0], temperature, generator)
     drafts = block[0, 1:]
     accepted = int((drafts == picked[:-1]).cumprod(0).sum())
-    return torch.cat([drafts[:accepted], picked[accepted : accepted + 1]]).tolist(), features
+    return torch.cat([drafts[:accepted], picked[accepted : accepted + 1]]).tolist()
 
 
 def _cut_at_stop(tokens: list[int], stops: set[int]) -> tuple[list[int], bool]:
@@ -155,11 +151,14 @@ def generate(
     temperature: float = 0.0,
     stop_token_ids: Sequence[int] = (),
     generator: torch.Generator | None = None,
+    static: StaticTarget | None = None,
 ) -> Generation:
     """Decode up to `max_new_tokens` after prompt_ids [1, n] (stop tokens are kept in the output).
 
     With a proposer, each cycle verifies its drafts (at most block_size - 1); without one, every cycle
-    verifies a single token: plain autoregressive decoding by the same code.
+    verifies a single token: plain autoregressive decoding by the same code. With `static`, the
+    target runs on its fixed-shape cache (CUDA graphs on a GPU, flashdraft.eval.static) instead of a
+    DynamicCache cropped after each cycle.
     """
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
@@ -169,8 +168,11 @@ def generate(
     width = block_size if proposer is not None else 1
 
     t0 = _clock(device)
-    cache = new_cache(target.model)
-    logits, features = target.decode(prompt_ids, cache, logits_to_keep=1)
+    if static is None:
+        cache = new_cache(target.model)
+        logits, features = target.decode(prompt_ids, cache, logits_to_keep=1)
+    else:
+        logits, features = static.prefill(prompt_ids)
     last = sample_tokens(logits[0, -1:], temperature, generator)
     out = Generation(tokens=last.tolist())
     t1 = _clock(device)
@@ -183,10 +185,15 @@ def generate(
         size = min(width, max_length - start)
         drafts = proposer.propose(last, start, size - 1) if size > 1 else last.new_empty((1, 0))
         block = torch.cat([last.view(1, 1), drafts], dim=1)
-        new, features = _verify(target, cache, block, temperature, generator)
+        if static is None:
+            logits, features = target.decode(block, cache)
+        else:
+            logits, features = static.forward(block, start)
+        new = _verify(logits, block, temperature, generator)
         new, stopped = _cut_at_stop(new[: max_length - start - 1], stops)
         kept = len(new)
-        cache.crop(kept - block.shape[1])
+        if static is None:
+            cache.crop(kept - block.shape[1])
         if proposer is not None:
             proposer.observe(block[:, :kept], features[:, :kept], start)
         out.tokens += new
@@ -339,9 +346,9 @@ def mean_tau(taus: Sequence[float]) -> float:
 METHODS = ("autoregressive", "dflash", "ngram")
 
 
-def _proposer(method: str, drafter: DFlashDrafter, target: Target) -> Proposer | None:
+def _proposer(method: str, drafter: DFlashDrafter, target: Target, static_dflash=None) -> Proposer | None:
     if method == "dflash":
-        return DFlashProposer(drafter, target)
+        return static_dflash or DFlashProposer(drafter, target)
     if method == "ngram":
         return NgramProposer()
     return None
@@ -357,22 +364,34 @@ def run_methods(
     stop_tokens: Sequence[int] = (),
     seed: int = 0,
     progress=None,
+    cuda_graphs: bool = False,
 ) -> dict[str, list[Generation]]:
     """Every prompt through plain decoding, DFlash and prompt lookup, interleaved so that drifting clocks
-    hit all three alike; one short warm-up run per method first (allocator, kernels) is not measured."""
+    hit all three alike; one short warm-up run per method first (allocator, kernels, graph capture) is
+    not measured. cuda_graphs: every method's target forwards and the drafter's on fixed-shape caches,
+    replayed as CUDA graphs on a GPU (flashdraft.eval.static)."""
     device = target.device
+    static = static_dflash = None
+    if cuda_graphs:
+        max_len = max(len(p) for p in prompts) + max_new_tokens + block_size
+        graphs = Graphs(device, {1, block_size})
+        static = StaticTarget(target, max_len, graphs)
+        static_dflash = StaticDFlashProposer(drafter, target, max_len, graphs)
+    proposers = {m: (lambda m=m: _proposer(m, drafter, target, static_dflash)) for m in METHODS}
     results: dict[str, list[Generation]] = {m: [] for m in METHODS}
     warm = torch.tensor([prompts[0]], device=device)
     for method in METHODS:
-        generate(target, warm, min(16, max_new_tokens), _proposer(method, drafter, target), block_size)
+        generate(target, warm, min(16, max_new_tokens), proposers[method](), block_size, static=static)
     for i, prompt in enumerate(prompts):
         ids = torch.tensor([prompt], device=device)
         for method in METHODS:
             gen = torch.Generator(device=device).manual_seed(seed + i)
-            proposer = _proposer(method, drafter, target)
             results[method].append(
-                generate(target, ids, max_new_tokens, proposer, block_size, temperature, stop_tokens, gen)
-            )
+                generate(
+                    target, ids, max_new_tokens, proposers[method](), block_size, temperature,
+                    stop_tokens, gen, static,
+                )
+            )  # fmt: skip
         if progress is not None:
             progress(i + 1, len(prompts))
     return results

@@ -1,0 +1,171 @@
+"""Fixed-shape decoding for the eval loop, so that each forward can replay as a CUDA graph.
+
+Why: decoding one prompt runs hundreds of small forwards, and in eager mode each costs its host
+time: a one-token forward of the proof's 95M target took 23 ms on the H200 host (docs/results.md,
+attempt 5), far above its GPU time, so a one-token forward and a 16-token verify cost the same and
+the eval measures Python. A CUDA graph replays a captured forward with one launch. Graphs need
+fixed shapes and fixed addresses:
+
+- the target keeps its KV in transformers' `StaticCache`. Before a forward at positions p..p+n-1
+  every layer's write position (`cumulative_length`, a device tensor) is set to p, so rejected
+  drafts need no crop: the next block overwrites them, and the causal mask, which starts at p,
+  hides anything past the query;
+- the drafter's context K/V live in preallocated per-layer buffers written at their positions;
+  the block attends to the buffer under a mask of the filled prefix (positions before the block)
+  plus the whole block.
+
+Graphs are captured on first use, one per (function, width) for widths 1 and B; other widths (the
+last, shorter block of a sample, the prompt) run the same code eagerly. Prompts share the graphs:
+every forward writes what it reads. On a CPU nothing is captured, which is how the tests check this
+path against the dynamic-cache one. torch.compile(mode="reduce-overhead") would capture the same
+graphs but compiles each shape for tens of seconds; capturing eager kernels takes milliseconds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from transformers import StaticCache
+
+from flashdraft.model.drafter import DFlashDrafter, Visibility
+from flashdraft.model.target import Target
+
+
+class Graphs:
+    """fn() replayed as a CUDA graph captured on its first call under `key` (a plain call on a CPU
+    or for a key not in `widths`). A graph's outputs are overwritten by its next replay."""
+
+    def __init__(self, device: torch.device, widths: set[int]):
+        self.enabled = device.type == "cuda"
+        self.widths = widths
+        self.captured: dict[tuple, tuple[torch.cuda.CUDAGraph, object]] = {}
+
+    def __call__(self, name: str, width: int, fn: Callable[[], object]):
+        if not self.enabled or width not in self.widths:
+            return fn()
+        key = (name, width)
+        if key not in self.captured:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):  # warm-up off the capture: lazy allocations, library handles
+                fn()
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            try:
+                with torch.cuda.graph(graph):  # a pool of its own: no graph's outputs alias another's
+                    out = fn()
+            except RuntimeError as e:
+                raise RuntimeError(
+                    f"capturing the {name} forward (width {width}) as a CUDA graph failed: {e}; "
+                    "decode without graphs (cuda_graphs=False) to measure this model"
+                ) from e
+            self.captured[key] = (graph, out)
+        graph, out = self.captured[key]
+        graph.replay()
+        return out
+
+
+class StaticTarget:
+    """The target's forwards on a StaticCache of `max_len` positions: prefill, then blocks at a position."""
+
+    def __init__(self, target: Target, max_len: int, graphs: Graphs):
+        config = target.model.config
+        if any(t != "full_attention" for t in getattr(config, "layer_types", None) or []):
+            raise ValueError(
+                "static decoding needs full attention in every layer (a sliding-window layer's static "
+                "cache is a ring that positions cannot rewind); decode without cuda_graphs"
+            )
+        self.target = target
+        self.graphs = graphs
+        self.cache = StaticCache(config=config, max_cache_len=max_len)
+        self.start = torch.zeros((), dtype=torch.long, device=target.device)
+        self.inputs: dict[int, torch.Tensor] = {}
+
+    def _at_start(self) -> None:
+        for layer in self.cache.layers:
+            layer.cumulative_length.copy_(self.start)
+
+    def prefill(self, prompt_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(last position's logits, features of every prompt token); positions from 0."""
+        for layer in self.cache.layers:  # before its first write a layer's position is a CPU tensor
+            layer.cumulative_length.fill_(0)
+        return self.target.decode(prompt_ids, self.cache, logits_to_keep=1)
+
+    def forward(self, block: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logits, features) of block [1, n] at positions start..start+n-1."""
+        width = block.shape[1]
+        if width not in self.inputs:
+            self.inputs[width] = torch.zeros_like(block)
+        ids = self.inputs[width]
+        ids.copy_(block)
+        self.start.fill_(start)
+
+        def run():
+            self._at_start()
+            return self.target.decode(ids, self.cache)
+
+        return self.graphs("target", width, run)
+
+
+class StaticDFlashProposer:
+    """DFlashProposer's drafts from fixed buffers: context K/V per layer [1, h_kv, max_len, d]."""
+
+    def __init__(self, drafter: DFlashDrafter, target: Target, max_len: int, graphs: Graphs):
+        if list(target.layer_ids) != drafter.target_layer_ids:
+            raise ValueError(f"target taps {target.layer_ids}, drafter expects {drafter.target_layer_ids}")
+        self.drafter, self.target, self.graphs = drafter, target, graphs
+        self.dtype = drafter.fc.weight.dtype
+        self.max_len = max_len
+        self.block_size = drafter.block_size
+        device = target.device
+        attn = drafter.layers[0].self_attn
+        shape = (1, attn.num_kv_heads, max_len, attn.head_dim)
+        self.keys = [torch.zeros(shape, dtype=self.dtype, device=device) for _ in drafter.layers]
+        self.values = [torch.zeros(shape, dtype=self.dtype, device=device) for _ in drafter.layers]
+        self.start = torch.zeros((), dtype=torch.long, device=device)
+        width = len(drafter.target_layer_ids) * drafter.config.hidden_size
+        self.features = torch.zeros(1, self.block_size, width, dtype=self.dtype, device=device)
+        self.blocks: dict[int, torch.Tensor] = {}
+
+    def _write(self, features: torch.Tensor) -> None:
+        """Context K/V of `features` [1, n, N*D] at positions start..start+n-1."""
+        positions = self.start + torch.arange(features.shape[1], device=features.device)
+        rows = self.drafter.context_kv(self.drafter.fuse(features), positions[None])
+        for keys, values, (k, v) in zip(self.keys, self.values, rows, strict=True):
+            keys.index_copy_(2, positions, k)
+            values.index_copy_(2, positions, v)
+
+    def observe(self, token_ids: torch.Tensor, features: torch.Tensor, start: int) -> None:
+        n = features.shape[1]
+        if start + max(n, self.block_size) > self.max_len:
+            raise ValueError(
+                f"positions {start}..{start + n - 1} do not fit the static cache of {self.max_len}"
+            )
+        self.start.fill_(start)
+        if n > self.block_size:  # the prompt: once per sample, eagerly
+            self._write(features.to(self.dtype))
+            return
+        # a verified block: the kept rows, then stale ones at positions the next block rewrites first
+        self.features[:, :n].copy_(features)
+        self.graphs("observe", self.block_size, lambda: self._write(self.features))
+
+    def propose(self, last_token: torch.Tensor, start: int, num_drafts: int) -> torch.Tensor:
+        width = num_drafts + 1
+        if width not in self.blocks:
+            self.blocks[width] = last_token.new_full((1, width), self.drafter.mask_token_id)
+        block = self.blocks[width]
+        block[0, :1].copy_(last_token.view(1))
+        self.start.fill_(start)
+        return self.graphs("propose", width, lambda: self._propose(block))
+
+    def _propose(self, block: torch.Tensor) -> torch.Tensor:
+        width = block.shape[1]
+        positions = self.start + torch.arange(width, device=block.device)
+        context = torch.arange(self.max_len, device=block.device) < self.start  # filled rows
+        mask = torch.cat([context.expand(width, -1), context.new_ones(width, width)], dim=1)
+        embeds = self.target.embed_tokens(block).to(self.dtype)
+        kv = list(zip(self.keys, self.values, strict=True))
+        hidden = self.drafter(embeds, positions[None], kv, Visibility(mask[None, None]))
+        head = self.target.lm_head
+        return head(hidden[:, 1:].to(head.weight.dtype)).argmax(-1)
