@@ -40,7 +40,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--seconds", type=float, default=20.0, help="training time per target setting")
     ap.add_argument("--batches", default="64,128,256", help="target batch sizes (eager)")
-    ap.add_argument("--compiled", default="256", help="target batch sizes also run compiled")
+    ap.add_argument("--compiled", default="256", help="target batch sizes also run with compiled layers")
     ap.add_argument("--regen-batches", default="1024,4096")
     ap.add_argument("--source-mb", type=float, default=15.0, help="Python source to train on")
     ap.add_argument("--smoke", action="store_true", help="the proof's CPU shapes: check the script only")
@@ -56,7 +56,7 @@ def main() -> None:
     pairs = code_windows(texts, tokenizer, scale.prompt_tokens, scale.response_tokens)
     seq = scale.prompt_tokens + scale.response_tokens + 16
     rows = []
-    runs = [(int(b), False) for b in args.batches.split(",")]
+    runs = [(int(b), False) for b in args.batches.split(",") if b]
     runs += [(int(b), True) for b in args.compiled.split(",") if b]
     model = None
     for batch, compiled in runs:
@@ -76,7 +76,9 @@ def main() -> None:
         )  # fmt: skip
         print(rows[-1], flush=True)
 
-    model = model.to(scale.device, torch.bfloat16 if scale.device == "cuda" else torch.float32)
+    trained = build_tiny_target(tokenizer, **scale.target)  # uncompiled, as the proof reloads it
+    trained.load_state_dict(model.state_dict())
+    model = trained.to(scale.device, torch.bfloat16 if scale.device == "cuda" else torch.float32).eval()
     from flashdraft.data.regenerate import LocalBackend
 
     for batch in [int(b) for b in args.regen_batches.split(",")]:

@@ -33,7 +33,7 @@ class Scale:
     target: dict = field(default_factory=lambda: dict(hidden=128, layers=6, heads=4, kv_heads=2))
     target_batch: int = 16
     target_lr: float = 3e-3
-    target_compile: bool = False  # torch.compile the target's training forward
+    target_compile: bool = False  # torch.compile the target's decoder layers for its pretraining
     prompt_tokens: int = 48
     response_tokens: int = 64
     conversations: int = 960
@@ -145,7 +145,9 @@ def pretrain_target(model, tokenizer, pairs: list[dict], seconds: float, progres
     opt = torch.optim.AdamW(
         model.parameters(), lr=scale.target_lr, weight_decay=0.01, fused=device.type == "cuda"
     )
-    forward = torch.compile(model) if scale.target_compile else model
+    if scale.target_compile:  # regional: one compiled graph serves every decoder layer
+        for layer in model.get_decoder().layers:
+            layer.compile()
     g = torch.Generator(device).manual_seed(0)
     model.train()
     start, step, loss = time.time(), 0, float("nan")
@@ -155,7 +157,7 @@ def pretrain_target(model, tokenizer, pairs: list[dict], seconds: float, progres
             group["lr"] = scale.target_lr * min(1.0, (step + 1) / 20) * max(0.05, 1 - frac)
         idx = torch.randint(0, len(enc), (scale.target_batch,), generator=g, device=device)
         with torch.autocast(device.type, torch.bfloat16, enabled=device.type == "cuda"):
-            out = forward(input_ids=ids[idx], labels=labels[idx])
+            out = model(input_ids=ids[idx], labels=labels[idx])
         out.loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
