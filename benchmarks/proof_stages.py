@@ -4,7 +4,8 @@
    compiled: steps/s and tokens/s after the first 20% of each run (warm-up, compilation), and the loss
    reached in the same number of seconds.
 2. Greedy regeneration (flashdraft.data.regenerate.LocalBackend, bf16, the last target trained) at
-   several batch sizes: conversations/s and new tokens/s.
+   several batch sizes: conversations/s, new tokens/s, and generate's time per step next to one
+   decoding forward's alone (what generate adds around the model).
 
 The drafter's step time comes from `flashdraft bench --shape proof-95m`.
 
@@ -33,6 +34,27 @@ class Recorder:
 
     def update(self, task, completed: float, description: str) -> None:
         self.points.append((time.time(), completed))
+
+
+@torch.inference_mode()
+def decode_forward_ms(model, batch: int, context: int, sync, reps: int = 10) -> float:
+    """One decoding step's forward alone (one new token per row after `context` cached ones), to set
+    against generate's time per step: the difference is generate's own overhead."""
+    from transformers import DynamicCache
+
+    ids = torch.randint(0, model.config.vocab_size, (batch, context), device=model.device)
+    cache = DynamicCache(config=model.config)
+    model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+    one = ids[:, :1]
+    times = []
+    for _ in range(reps + 2):
+        sync()
+        t = time.perf_counter()
+        model(input_ids=one, past_key_values=cache, use_cache=True)
+        sync()
+        times.append(time.perf_counter() - t)
+        cache.crop(-1)
+    return 1e3 * sorted(times[2:])[reps // 2]
 
 
 def main() -> None:
@@ -94,7 +116,9 @@ def main() -> None:
         peak = torch.cuda.max_memory_allocated() / 2**30 if scale.device == "cuda" else 0.0
         rows.append(
             {"stage": "regenerate", "batch": batch, "seconds": seconds, "conv_s": batch / seconds,
-             "new_tok_s": new / seconds, "peak_gib": peak}
+             "new_tok_s": new / seconds, "peak_gib": peak,
+             "step_ms": 1e3 * seconds / scale.response_tokens,
+             "forward_ms": decode_forward_ms(model, batch, scale.prompt_tokens + 16, sync)}
         )  # fmt: skip
         print(rows[-1], flush=True)
     (args.out / "stages.json").write_text(json.dumps(rows, indent=2) + "\n")
