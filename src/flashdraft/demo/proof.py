@@ -209,7 +209,6 @@ def run_proof(
         raise FileExistsError(f"{record} exists: pass --resume to finish that proof, or another --out")
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
-    t_start = time.time()
     budget = 60 * budget_minutes
     summary = json.loads(record.read_text()) if record.exists() else {}
     clock = StageClock()
@@ -240,7 +239,8 @@ def run_proof(
     prompts = read_prompts(prompts_path)
 
     if "main" not in summary.get("drafters", {}):
-        remaining = budget - (time.time() - t_start)
+        # wall_s: what earlier stages took, in this call or in a killed one this call resumes
+        remaining = budget - summary["wall_s"] - clock.since_start()
         steps = drafter_steps(remaining, scale)
         console.print(
             f"main drafter: {steps} steps ({remaining:.0f} s of the budget left, "
