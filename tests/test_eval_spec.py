@@ -200,6 +200,23 @@ def test_report_counts_acceptance_per_cycle_and_per_position():
     report = build_report({"temperature": 0.0}, {"autoregressive": plain, "dflash": gens, "ngram": gens}, 4)
     assert report["speedup"]["dflash"] == pytest.approx(2.0)
     assert report["identical_to_autoregressive"] == {"dflash": 3, "ngram": 3, "of": 3}
+    # two samples with a cycle: tau 8/3 and 2; the third is left out of the spread as of the mean
+    assert stats["tau_stderr"] == pytest.approx(abs(8 / 3 - 2) / 2)
+    assert report["tau_ratio_dflash_over_ngram"] == {"ratio": 1.0, "ci95": [1.0, 1.0], "samples": 2}
+
+
+def test_the_tau_ratio_interval_comes_from_resampling_prompts():
+    from flashdraft.eval.report import tau_ratio
+
+    ngram = [1.5, 2.0, 3.0, 1.2, 2.5, 4.0]
+    assert tau_ratio([2 * t for t in ngram], ngram) == {"ratio": 2.0, "ci95": [2.0, 2.0], "samples": 6}
+    dflash = [3.0, 2.2, 7.9, 2.1, 4.0, 3.0]
+    r = tau_ratio(dflash, ngram)
+    assert r["ratio"] == pytest.approx(sum(dflash) / sum(ngram))
+    lo, hi = r["ci95"]
+    assert lo < r["ratio"] < hi and hi - lo > 0.3  # six prompts: a wide interval
+    assert tau_ratio(dflash, ngram) == r  # seeded
+    assert tau_ratio([float("nan")], [2.0])["samples"] == 0
 
 
 def test_run_methods_measures_all_three_on_every_prompt():

@@ -26,6 +26,9 @@ def test_the_proof_runs_every_stage_and_the_reference_package_agrees(tmp_path):
     assert config["dflash_config"]["target_layer_ids"] == [-1]
     for key in ("tau_T0", "tau_T1", "tau_ngram_T0", "tau_ngram_T1"):
         assert 1.0 <= s[key] <= 16.0
+    ratio = s["tau_ratio_T0"]
+    assert ratio["ratio"] == pytest.approx(s["tau_T0"] / s["tau_ngram_T0"], rel=1e-4)
+    assert ratio["ci95"][0] <= ratio["ratio"] <= ratio["ci95"][1]
     # fp32 on the CPU: the reference decodes our export with our acceptance lengths, sample by sample
     assert s["reference"]["samples_with_our_tau"] == SMOKE.eval_prompts
     assert s["reference"]["tau"] == pytest.approx(s["tau_T0"])

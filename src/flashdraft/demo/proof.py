@@ -270,6 +270,9 @@ def run_proof(
             **{
                 f"tau_{t}": report["dflash"]["tau"],
                 f"tau_ngram_{t}": report["ngram"]["tau"],
+                f"tau_stderr_{t}": report["dflash"]["tau_stderr"],
+                f"tau_ngram_stderr_{t}": report["ngram"]["tau_stderr"],
+                f"tau_ratio_{t}": report["tau_ratio_dflash_over_ngram"],
                 f"speedup_{t}": report["speedup"],
                 f"acceptance_by_position_{t}": report["dflash"]["acceptance_by_position"],
             }
@@ -345,4 +348,12 @@ def print_proof(s: dict, console: Console) -> None:
     if s.get("reference"):
         table.add_row("main via dflash 0.1.0", "-", "-", "-", f"{s['reference']['tau']:.2f}", "-", "-")
     console.print(table)
+    for t in ("T0", "T1"):
+        r = s.get(f"tau_ratio_{t}")
+        if r and r["ratio"] is not None:
+            lo, hi = r["ci95"]
+            console.print(
+                f"tau DFlash / n-gram at {t}: {r['ratio']:.2f} (95% interval {lo:.2f}-{hi:.2f} over "
+                f"{r['samples']} prompts; tau standard error {s[f'tau_stderr_{t}']:.2f})"
+            )
     console.print(f"stage seconds: {s['seconds']}; total {s['wall_s']:.0f} s")
