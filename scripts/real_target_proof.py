@@ -41,8 +41,15 @@ def main() -> None:
     ap.add_argument(
         "--cuda-graphs", action="store_true", help="evals on fixed-shape caches replayed as CUDA graphs"
     )
+    ap.add_argument(
+        "--eval-seconds",
+        type=float,
+        help="time kept for the evals after the drafter (default: measured for the scale, without graphs)",
+    )
     args = ap.parse_args()
     scale = dataclasses.replace(SMOKE if args.smoke else H200, cuda_graphs=args.cuda_graphs)
+    if args.eval_seconds is not None:
+        scale = dataclasses.replace(scale, proof_eval_s=args.eval_seconds)
     run_proof(args.out, args.minutes, scale, args.ablations, not args.no_reference, args.resume)
 
 
