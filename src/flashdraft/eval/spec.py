@@ -374,9 +374,11 @@ def run_methods(
     static = static_dflash = None
     if cuda_graphs:
         max_len = max(len(p) for p in prompts) + max_new_tokens + block_size
-        graphs = Graphs(device, {1, block_size})
+        graphs = Graphs(device)
         static = StaticTarget(target, max_len, graphs)
         static_dflash = StaticDFlashProposer(drafter, target, max_len, graphs)
+        static.capture(range(1, block_size + 1))
+        static_dflash.capture()
     proposers = {m: (lambda m=m: _proposer(m, drafter, target, static_dflash)) for m in METHODS}
     results: dict[str, list[Generation]] = {m: [] for m in METHODS}
     warm = torch.tensor([prompts[0]], device=device)

@@ -14,11 +14,13 @@ fixed shapes and fixed addresses:
   the block attends to the buffer under a mask of the filled prefix (positions before the block)
   plus the whole block.
 
-Graphs are captured on first use, one per (function, width) for widths 1 and B; other widths (the
-last, shorter block of a sample, the prompt) run the same code eagerly. Prompts share the graphs:
-every forward writes what it reads. On a CPU nothing is captured, which is how the tests check this
-path against the dynamic-cache one. torch.compile(mode="reduce-overhead") would capture the same
-graphs but compiles each shape for tens of seconds; capturing eager kernels takes milliseconds.
+Graphs are captured up front (`capture`), one per function and width 1..B, so that every method's
+forwards replay alike (prompt lookup drafts any number of tokens) and no capture falls inside a
+measured sample; the prompt runs eagerly. Prompts share the graphs: every forward writes what it
+reads before reading it, so what an earlier sample or a capture left in the caches stays hidden.
+On a CPU nothing is captured, which is how the tests check this path against the dynamic-cache
+one. torch.compile(mode="reduce-overhead") would capture the same graphs but compiles each shape
+for tens of seconds; capturing eager kernels takes milliseconds.
 """
 
 from __future__ import annotations
@@ -33,16 +35,15 @@ from flashdraft.model.target import Target
 
 
 class Graphs:
-    """fn() replayed as a CUDA graph captured on its first call under `key` (a plain call on a CPU
-    or for a key not in `widths`). A graph's outputs are overwritten by its next replay."""
+    """fn() replayed as a CUDA graph captured on its first call under (name, width); a plain call
+    on a CPU. A graph's outputs are overwritten by its next replay."""
 
-    def __init__(self, device: torch.device, widths: set[int]):
+    def __init__(self, device: torch.device):
         self.enabled = device.type == "cuda"
-        self.widths = widths
         self.captured: dict[tuple, tuple[torch.cuda.CUDAGraph, object]] = {}
 
     def __call__(self, name: str, width: int, fn: Callable[[], object]):
-        if not self.enabled or width not in self.widths:
+        if not self.enabled:
             return fn()
         key = (name, width)
         if key not in self.captured:
@@ -92,6 +93,14 @@ class StaticTarget:
             layer.cumulative_length.fill_(0)
         return self.target.decode(prompt_ids, self.cache, logits_to_keep=1)
 
+    def capture(self, widths: range) -> None:
+        """Every width's graph now, so that none is captured while a sample is timed (on a CPU the
+        same forwards run, leaving the same junk in the cache for the samples to hide)."""
+        device = self.target.device
+        self.prefill(torch.zeros(1, 1, dtype=torch.long, device=device))  # allocates the cache
+        for width in widths:
+            self.forward(torch.zeros(1, width, dtype=torch.long, device=device), start=1)
+
     def forward(self, block: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(logits, features) of block [1, n] at positions start..start+n-1."""
         width = block.shape[1]
@@ -127,6 +136,13 @@ class StaticDFlashProposer:
         width = len(drafter.target_layer_ids) * drafter.config.hidden_size
         self.features = torch.zeros(1, self.block_size, width, dtype=self.dtype, device=device)
         self.blocks: dict[int, torch.Tensor] = {}
+
+    def capture(self) -> None:
+        """The observe graph and a propose graph per block width, now (see StaticTarget.capture)."""
+        last = torch.zeros(1, dtype=torch.long, device=self.start.device)
+        self.observe(None, self.features, start=0)
+        for drafts in range(1, self.block_size):
+            self.propose(last, start=1, num_drafts=drafts)
 
     def _write(self, features: torch.Tensor) -> None:
         """Context K/V of `features` [1, n, N*D] at positions start..start+n-1."""
