@@ -229,14 +229,15 @@ def test_run_methods_measures_all_three_on_every_prompt():
     assert all(g.decode_s > 0 for gens in results.values() for g in gens)
 
 
-@pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_fixed_shape_decoding_matches_the_dynamic_cache_sample_by_sample(temperature):
+@pytest.mark.parametrize(("temperature", "block"), [(0.0, BLOCK), (1.0, BLOCK), (0.0, BLOCK // 2)])
+def test_fixed_shape_decoding_matches_the_dynamic_cache_sample_by_sample(temperature, block):
     """The CUDA-graph path's static caches (run eagerly on the CPU): the same tokens and cycles as the
-    cropped DynamicCache, for every method, with prompts of different lengths sharing the buffers."""
+    cropped DynamicCache, for every method, with prompts of different lengths sharing the buffers,
+    also when decoding with a smaller block than the drafter was trained with."""
     s = tiny_setup()
     prompts = [s.prompts[0], s.prompts[1][:4], s.prompts[2] + s.prompts[3]]
-    dynamic = run_methods(s.target, s.trained, prompts, 30, BLOCK, temperature)
-    static = run_methods(s.target, s.trained, prompts, 30, BLOCK, temperature, cuda_graphs=True)
+    dynamic = run_methods(s.target, s.trained, prompts, 30, block, temperature)
+    static = run_methods(s.target, s.trained, prompts, 30, block, temperature, cuda_graphs=True)
     for method in dynamic:
         for d, f in zip(dynamic[method], static[method], strict=True):
             assert f.tokens == d.tokens and f.accept_lengths == d.accept_lengths, method

@@ -376,7 +376,7 @@ def run_methods(
         max_len = max(len(p) for p in prompts) + max_new_tokens + block_size
         graphs = Graphs(device)
         static = StaticTarget(target, max_len, graphs)
-        static_dflash = StaticDFlashProposer(drafter, target, max_len, graphs)
+        static_dflash = StaticDFlashProposer(drafter, target, max_len, graphs, block_size)
         static.capture(range(1, block_size + 1))
         static_dflash.capture()
     proposers = {m: (lambda m=m: _proposer(m, drafter, target, static_dflash)) for m in METHODS}

@@ -93,6 +93,7 @@ class StaticTarget:
             layer.cumulative_length.fill_(0)
         return self.target.decode(prompt_ids, self.cache, logits_to_keep=1)
 
+    @torch.inference_mode()  # as `generate`, which replays these graphs
     def capture(self, widths: range) -> None:
         """Every width's graph now, so that none is captured while a sample is timed (on a CPU the
         same forwards run, leaving the same junk in the cache for the samples to hide)."""
@@ -120,13 +121,13 @@ class StaticTarget:
 class StaticDFlashProposer:
     """DFlashProposer's drafts from fixed buffers: context K/V per layer [1, h_kv, max_len, d]."""
 
-    def __init__(self, drafter: DFlashDrafter, target: Target, max_len: int, graphs: Graphs):
+    def __init__(self, drafter: DFlashDrafter, target: Target, max_len: int, graphs: Graphs, block_size: int):
         if list(target.layer_ids) != drafter.target_layer_ids:
             raise ValueError(f"target taps {target.layer_ids}, drafter expects {drafter.target_layer_ids}")
         self.drafter, self.target, self.graphs = drafter, target, graphs
         self.dtype = drafter.fc.weight.dtype
         self.max_len = max_len
-        self.block_size = drafter.block_size
+        self.block_size = block_size  # the decoding's, which may differ from the drafter's training one
         device = target.device
         attn = drafter.layers[0].self_attn
         shape = (1, attn.num_kv_heads, max_len, attn.head_dim)
@@ -137,6 +138,7 @@ class StaticDFlashProposer:
         self.features = torch.zeros(1, self.block_size, width, dtype=self.dtype, device=device)
         self.blocks: dict[int, torch.Tensor] = {}
 
+    @torch.inference_mode()
     def capture(self) -> None:
         """The observe graph and a propose graph per block width, now (see StaticTarget.capture)."""
         last = torch.zeros(1, dtype=torch.long, device=self.start.device)
