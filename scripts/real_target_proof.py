@@ -46,10 +46,13 @@ def main() -> None:
         type=float,
         help="time kept for the evals after the drafter (default: measured for the scale, without graphs)",
     )
+    ap.add_argument("--eval-prompts", type=int, help="held-out prompts to decode (default: the scale's, 12)")
     args = ap.parse_args()
     scale = dataclasses.replace(SMOKE if args.smoke else H200, cuda_graphs=args.cuda_graphs)
     if args.eval_seconds is not None:
         scale = dataclasses.replace(scale, proof_eval_s=args.eval_seconds)
+    if args.eval_prompts is not None:
+        scale = dataclasses.replace(scale, eval_prompts=args.eval_prompts)
     run_proof(args.out, args.minutes, scale, args.ablations, not args.no_reference, args.resume)
 
 
