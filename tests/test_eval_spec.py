@@ -296,6 +296,17 @@ def test_eval_cli_writes_report_plot_and_table(tmp_path, tiny_target_dir, tiny_d
     assert report["speedup"]["dflash"] > 0 and report["speedup"]["ngram"] > 0
     assert report_path.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "tau" in result.output and "speedup" in result.output
+    assert report["settings"]["cuda_graphs"] is False
+
+    # the fixed-shape path through the CLI: the same samples (CPU: no graphs captured)
+    static_path = tmp_path / "out" / "static.json"
+    args[args.index(str(report_path))] = str(static_path)
+    result = CliRunner().invoke(_cli(), [*args, "--cuda-graphs"])
+    assert result.exit_code == 0, result.output
+    static = json.loads(static_path.read_text())
+    assert static["settings"]["cuda_graphs"] is True
+    for method in ("autoregressive", "dflash", "ngram"):
+        assert static[method]["tau_per_sample"] == report[method]["tau_per_sample"]
 
 
 def test_eval_cli_rejects_a_bad_prompt_record(tmp_path, tiny_target_dir, tiny_drafter_dir):
