@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import json
 import math
+import random
+import statistics
 from pathlib import Path
 
 from rich.console import Console
@@ -56,19 +58,13 @@ def acceptance_by_position(gens: list[Generation], block_size: int) -> list[floa
 def tau_stderr(taus: list[float]) -> float:
     """Standard error of the mean over samples (sample standard deviation / sqrt(n)); nan below 2."""
     valid = [t for t in taus if not math.isnan(t)]
-    if len(valid) < 2:
-        return math.nan
-    mean = sum(valid) / len(valid)
-    var = sum((t - mean) ** 2 for t in valid) / (len(valid) - 1)
-    return math.sqrt(var / len(valid))
+    return statistics.stdev(valid) / math.sqrt(len(valid)) if len(valid) >= 2 else math.nan
 
 
 def tau_ratio(numerator: list[float], denominator: list[float], resamples: int = 2000) -> dict:
     """mean(numerator) / mean(denominator) over the samples both measured, with a 95% interval from
     a paired bootstrap over samples (seeded: the same figures give the same interval). A dozen
     prompts leave a ratio of taus uncertain by tenths, which a point figure hides."""
-    import random
-
     pairs = [
         (a, b) for a, b in zip(numerator, denominator, strict=True) if not (math.isnan(a) or math.isnan(b))
     ]

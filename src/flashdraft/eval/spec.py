@@ -37,7 +37,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from flashdraft.eval.ngram import NgramProposer
-from flashdraft.eval.static import Graphs, StaticDFlashProposer, StaticTarget
+from flashdraft.eval.static import Graphs, StaticDFlashProposer, StaticTarget, draft_block
 from flashdraft.model.drafter import DFlashDrafter, Visibility
 from flashdraft.model.target import Target
 
@@ -87,6 +87,25 @@ def new_cache(model: PreTrainedModel) -> DynamicCache:
     return cache
 
 
+class DynamicTarget:
+    """The target's forwards on a DynamicCache, cropped to the kept tokens after each cycle (the
+    interface of flashdraft.eval.static.StaticTarget)."""
+
+    def __init__(self, target: Target):
+        self.target = target
+        self.cache: DynamicCache | None = None
+
+    def prefill(self, prompt_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        self.cache = new_cache(self.target.model)
+        return self.target.decode(prompt_ids, self.cache, logits_to_keep=1)
+
+    def forward(self, block: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.target.decode(block, self.cache)
+
+    def keep(self, kept: int, width: int) -> None:
+        self.cache.crop(kept - width)
+
+
 def _clock(device: torch.device) -> float:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -97,8 +116,7 @@ class DFlashProposer:
     """Drafts a block in one drafter forward; its KV cache holds context rows only (block K/V are dropped)."""
 
     def __init__(self, drafter: DFlashDrafter, target: Target):
-        if list(target.layer_ids) != drafter.target_layer_ids:
-            raise ValueError(f"target taps {target.layer_ids}, drafter expects {drafter.target_layer_ids}")
+        target.require_taps(drafter.target_layer_ids)
         self.drafter = drafter
         self.target = target
         self.dtype = drafter.fc.weight.dtype
@@ -118,10 +136,7 @@ class DFlashProposer:
         mask = last_token.new_full((1, num_drafts), self.drafter.mask_token_id)
         block = torch.cat([last_token.view(1, 1), mask], dim=1)
         positions = torch.arange(start, start + num_drafts + 1, device=block.device)[None]
-        embeds = self.target.embed_tokens(block).to(self.dtype)
-        hidden = self.drafter(embeds, positions, self.kv, Visibility(None))
-        head = self.target.lm_head
-        return head(hidden[:, 1:].to(head.weight.dtype)).argmax(-1)
+        return draft_block(self.drafter, self.target, block, positions, self.kv, Visibility(None))
 
 
 def _verify(
@@ -167,12 +182,9 @@ def generate(
     max_length = prompt_ids.shape[1] + max_new_tokens
     width = block_size if proposer is not None else 1
 
+    forwards = static or DynamicTarget(target)
     t0 = _clock(device)
-    if static is None:
-        cache = new_cache(target.model)
-        logits, features = target.decode(prompt_ids, cache, logits_to_keep=1)
-    else:
-        logits, features = static.prefill(prompt_ids)
+    logits, features = forwards.prefill(prompt_ids)
     last = sample_tokens(logits[0, -1:], temperature, generator)
     out = Generation(tokens=last.tolist())
     t1 = _clock(device)
@@ -185,15 +197,11 @@ def generate(
         size = min(width, max_length - start)
         drafts = proposer.propose(last, start, size - 1) if size > 1 else last.new_empty((1, 0))
         block = torch.cat([last.view(1, 1), drafts], dim=1)
-        if static is None:
-            logits, features = target.decode(block, cache)
-        else:
-            logits, features = static.forward(block, start)
+        logits, features = forwards.forward(block, start)
         new = _verify(logits, block, temperature, generator)
         new, stopped = _cut_at_stop(new[: max_length - start - 1], stops)
         kept = len(new)
-        if static is None:
-            cache.crop(kept - block.shape[1])
+        forwards.keep(kept, block.shape[1])
         if proposer is not None:
             proposer.observe(block[:, :kept], features[:, :kept], start)
         out.tokens += new
@@ -270,8 +278,7 @@ _WRAPPED: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 def decoding_target(target: Target | PreTrainedModel, drafter: DFlashDrafter) -> Target:
     """A full (not truncated) Target that taps the drafter's layers; a bare model is wrapped once."""
     if isinstance(target, Target):
-        if target.layer_ids != drafter.target_layer_ids:
-            raise ValueError(f"target taps {target.layer_ids}, drafter expects {drafter.target_layer_ids}")
+        target.require_taps(drafter.target_layer_ids)
         model = target.model
     else:
         model = target

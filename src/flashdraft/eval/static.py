@@ -34,6 +34,21 @@ from flashdraft.model.drafter import DFlashDrafter, Visibility
 from flashdraft.model.target import Target
 
 
+def draft_block(
+    drafter: DFlashDrafter,
+    target: Target,
+    block: torch.Tensor,
+    positions: torch.Tensor,
+    kv: list[tuple[torch.Tensor, torch.Tensor]],
+    visibility: Visibility,
+) -> torch.Tensor:
+    """Drafts for slots 1.. of `block` [1, w]: one drafter forward, argmax of the target's lm_head."""
+    embeds = target.embed_tokens(block).to(drafter.fc.weight.dtype)
+    hidden = drafter(embeds, positions, kv, visibility)
+    head = target.lm_head
+    return head(hidden[:, 1:].to(head.weight.dtype)).argmax(-1)
+
+
 class Graphs:
     """fn() replayed as a CUDA graph captured on its first call under (name, width); a plain call
     on a CPU. A graph's outputs are overwritten by its next replay."""
@@ -102,6 +117,9 @@ class StaticTarget:
         for width in widths:
             self.forward(torch.zeros(1, width, dtype=torch.long, device=device), start=1)
 
+    def keep(self, kept: int, width: int) -> None:
+        """Nothing to drop: the next block overwrites the rejected positions."""
+
     def forward(self, block: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(logits, features) of block [1, n] at positions start..start+n-1."""
         width = block.shape[1]
@@ -122,8 +140,7 @@ class StaticDFlashProposer:
     """DFlashProposer's drafts from fixed buffers: context K/V per layer [1, h_kv, max_len, d]."""
 
     def __init__(self, drafter: DFlashDrafter, target: Target, max_len: int, graphs: Graphs, block_size: int):
-        if list(target.layer_ids) != drafter.target_layer_ids:
-            raise ValueError(f"target taps {target.layer_ids}, drafter expects {drafter.target_layer_ids}")
+        target.require_taps(drafter.target_layer_ids)
         self.drafter, self.target, self.graphs = drafter, target, graphs
         self.dtype = drafter.fc.weight.dtype
         self.max_len = max_len
@@ -182,8 +199,7 @@ class StaticDFlashProposer:
         positions = self.start + torch.arange(width, device=block.device)
         context = torch.arange(self.max_len, device=block.device) < self.start  # filled rows
         mask = torch.cat([context.expand(width, -1), context.new_ones(width, width)], dim=1)
-        embeds = self.target.embed_tokens(block).to(self.dtype)
         kv = list(zip(self.keys, self.values, strict=True))
-        hidden = self.drafter(embeds, positions[None], kv, Visibility(mask[None, None]))
-        head = self.target.lm_head
-        return head(hidden[:, 1:].to(head.weight.dtype)).argmax(-1)
+        return draft_block(
+            self.drafter, self.target, block, positions[None], kv, Visibility(mask[None, None])
+        )

@@ -68,6 +68,11 @@ class Target:
             module.register_forward_hook(self._tap(i))
         self.layer_ids = list(layer_ids)
 
+    def require_taps(self, layer_ids: list[int]) -> None:
+        """A drafter trained on `layer_ids` reads exactly this Target's taps, or this is an error."""
+        if list(self.layer_ids) != list(layer_ids):
+            raise ValueError(f"target taps {self.layer_ids}, drafter expects {list(layer_ids)}")
+
     def _tap(self, i: int):
         def hook(_module, _inputs, output):
             self._taps[i] = output[0] if isinstance(output, tuple) else output
