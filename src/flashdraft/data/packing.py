@@ -134,7 +134,6 @@ class PackedLoader:
     """Epochs of packed batches in a seeded order; (epoch, batch index) is the whole position."""
 
     def __init__(self, dataset, seq_len: int, rows_per_batch: int, pad_token_id: int, seed: int):
-        self.ds = dataset
         self.arrow = dataset.with_format("arrow")  # whole batches read as Arrow columns, not row dicts
         self.seq_len = seq_len
         self.rows_per_batch = rows_per_batch

@@ -168,7 +168,8 @@ def pretrain_target(model, tokenizer, pairs: list[dict], seconds: float, progres
             progress.update(
                 task, completed=min(seconds, time.time() - start), description=f"target loss {loss:.3f}"
             )
-    loss = out.loss.item()
+    if step:
+        loss = out.loss.item()  # the last step's, not the last one read
     model.eval().to("cpu")
     return step, loss
 
