@@ -27,7 +27,7 @@ from flashdraft.demo.proof import SMOKE, run_proof
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--minutes", type=float, default=9.0, help="time budget of the whole run")
+    ap.add_argument("--minutes", type=float, default=9.25, help="time budget of the whole run")
     ap.add_argument(
         "--ablations",
         action="store_true",
@@ -39,16 +39,20 @@ def main() -> None:
     )
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU: check the flow only")
     ap.add_argument(
-        "--cuda-graphs", action="store_true", help="evals on fixed-shape caches replayed as CUDA graphs"
+        "--cuda-graphs",
+        action=argparse.BooleanOptionalAction,
+        help="evals on fixed-shape caches replayed as CUDA graphs (default: the scale's, on for the H200)",
     )
     ap.add_argument(
         "--eval-seconds",
         type=float,
-        help="time kept for the evals after the drafter (default: measured for the scale, without graphs)",
+        help="time kept for the evals after the drafter (default: the scale's)",
     )
-    ap.add_argument("--eval-prompts", type=int, help="held-out prompts to decode (default: the scale's, 12)")
+    ap.add_argument("--eval-prompts", type=int, help="held-out prompts to decode (default: the scale's, 32)")
     args = ap.parse_args()
-    scale = dataclasses.replace(SMOKE if args.smoke else H200, cuda_graphs=args.cuda_graphs)
+    scale = SMOKE if args.smoke else H200
+    if args.cuda_graphs is not None:
+        scale = dataclasses.replace(scale, cuda_graphs=args.cuda_graphs)
     if args.eval_seconds is not None:
         scale = dataclasses.replace(scale, proof_eval_s=args.eval_seconds)
     if args.eval_prompts is not None:

@@ -313,8 +313,19 @@ def reference(model, tokenizer, messages: list[dict], max_new_tokens: int) -> Re
     return Regenerated(chained, cuts)
 
 
-def test_local_backend_batches_left_padded_greedy_turn_by_turn(tiny_target):
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_local_backend_batches_left_padded_greedy_turn_by_turn(tiny_target, cache, monkeypatch):
+    from transformers import Cache, StaticCache
+
     model, tokenizer = tiny_target
+    caches = set()
+    forward = model.forward
+
+    def spy(*args, **kwargs):  # the cache generate decodes on
+        caches.update(type(v) for v in kwargs.values() if isinstance(v, Cache))
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(model, "forward", spy)
     prompt_only = {
         "id": "p",
         "messages": [{"role": "user", "content": "a much longer question than the others"}],
@@ -323,10 +334,17 @@ def test_local_backend_batches_left_padded_greedy_turn_by_turn(tiny_target):
     conversations = [
         parse_record(RawRecord("in", 1, json.dumps(r).encode()), require_answers=False) for r in records
     ]
-    backend = LocalBackend(model, tokenizer, max_new_tokens=4, batch_size=2)
+    backend = LocalBackend(model, tokenizer, max_new_tokens=4, batch_size=2, cache=cache)
     results = {conv.id: result for conv, result in backend.regenerate_each(conversations)}
+    assert (StaticCache in caches) == (cache == "static") and caches
+    caches.clear()
     assert results == {r["id"]: reference(model, tokenizer, r["messages"], 4) for r in records}
     assert backend.regenerate([prompt_only["messages"]]) == [results["p"].messages]
+
+
+def test_local_backend_rejects_an_unknown_cache(tiny_target):
+    with pytest.raises(ValueError, match="cache must be one of"):
+        LocalBackend(*tiny_target, max_new_tokens=4, cache="paged")
 
 
 def test_cli_local_backend_regenerates_a_file(tiny_target_dir, tmp_path):

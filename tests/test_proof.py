@@ -8,6 +8,7 @@ import pytest
 
 from flashdraft.demo.pipeline import H200
 from flashdraft.demo.proof import SMOKE, VARIANTS, drafter_steps, run_proof
+from flashdraft.eval.spec import mean_tau
 
 pytestmark = pytest.mark.slow
 
@@ -29,12 +30,17 @@ def test_the_proof_runs_every_stage_and_the_reference_package_agrees(tmp_path):
     ratio = s["tau_ratio_T0"]
     assert ratio["ratio"] == pytest.approx(s["tau_T0"] / s["tau_ngram_T0"], rel=1e-4)
     assert ratio["ci95"][0] <= ratio["ratio"] <= ratio["ci95"][1]
-    # fp32 on the CPU: the reference decodes our export with our acceptance lengths, sample by sample
-    assert s["reference"]["samples_with_our_tau"] == SMOKE.eval_prompts
-    assert s["reference"]["tau"] == pytest.approx(s["tau_T0"])
-    # tau during training on the same prompts, at the last step: the eval's figure
+    # fp32 on the CPU: the reference decodes our export with our acceptance lengths, sample by sample,
+    # on the first probe_prompts of the eval prompts
+    probe = SMOKE.probe_prompts
+    assert s["probe_prompts"] == probe < SMOKE.eval_prompts
+    report = json.loads((tmp_path / "eval" / "report_T0.json").read_text())
+    assert s["tau_T0_probe_prompts"] == pytest.approx(mean_tau(report["dflash"]["tau_per_sample"][:probe]))
+    assert s["reference"]["samples_with_our_tau"] == probe
+    assert s["reference"]["tau"] == pytest.approx(s["tau_T0_probe_prompts"])
+    # tau during training on the same prompts, at the last step: the eval's figure on them
     step, tau = s["drafters"]["main"]["tau_during_training"][-1]
-    assert step == s["drafters"]["main"]["steps"] and tau == pytest.approx(s["tau_T0"], rel=0.1)
+    assert step == s["drafters"]["main"]["steps"] and tau == pytest.approx(s["tau_T0_probe_prompts"], rel=0.1)
     assert set(s["seconds"]) >= {"target_s", "drafters_s", "eval_T0_s", "reference_s", "eval_T1_s"}
     assert s["seconds"]["ablation_drafters_s"] > 0 and s["main_flow_s"] < s["wall_s"]
 
@@ -51,7 +57,7 @@ def test_the_proof_runs_every_stage_and_the_reference_package_agrees(tmp_path):
     } == trained
     assert again["tau_T1"] == pytest.approx(s["tau_T1"])  # same seed, same drafter: same samples
     assert again["drafters"]["taps_3"]["tau"] == s["drafters"]["taps_3"]["tau"]
-    assert again["reference"]["samples_with_our_tau"] == SMOKE.eval_prompts
+    assert again["reference"]["samples_with_our_tau"] == SMOKE.probe_prompts
 
 
 def test_the_drafter_budget_leaves_room_for_the_evals():

@@ -122,6 +122,9 @@ def regenerate(
     max_tokens: int = typer.Option(2048, min=1, help="most new tokens per assistant turn"),
     thinking: bool | None = typer.Option(None, "--thinking/--no-thinking", help=THINKING_HELP),
     batch_size: int = typer.Option(8, min=1, help="local: conversations per generate batch"),
+    cache: str = typer.Option(
+        "dynamic", help="local: dynamic, or static (compiled decoding step, CUDA graphs on a GPU)"
+    ),
     chat_template: Path | None = typer.Option(None, help="local: Jinja chat template file"),
     device: str | None = typer.Option(None, help="local: torch device (default: cuda when visible)"),
     limit: int | None = typer.Option(
@@ -163,6 +166,7 @@ def regenerate(
                 temperature=temperature,
                 batch_size=batch_size,
                 enable_thinking=thinking,
+                cache=cache,
                 chat_template=_read_template(chat_template),
             )
         summary = regenerate_file(engine, input, out, split=split, limit=limit, progress=progress)

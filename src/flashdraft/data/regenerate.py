@@ -204,7 +204,17 @@ class LocalBackend:
 
     Conversations are batched `batch_size` at a time; within a batch, round k generates every
     conversation's k-th assistant turn in one `generate` call.
+
+    cache="static": generate on transformers' StaticCache, whose decoding step transformers compiles
+    and replays as a CUDA graph on a GPU: 880 conversations/s instead of 386 for the proof's 95M target
+    at batch 8192 on an H200, where a dynamic-cache step took 156 ms against 39 ms for the forward
+    alone (docs/results.md). Prompts are then padded to a multiple of PAD_MULTIPLE tokens so that
+    batches share a few cache shapes (each new shape compiles again). Greedy outputs equal the dynamic
+    cache's up to the compiled kernels' rounding: 65% of 8192 conversations of 128 tokens were equal.
     """
+
+    PAD_MULTIPLE = 32
+    CACHES = ("dynamic", "static")
 
     def __init__(
         self,
@@ -214,9 +224,13 @@ class LocalBackend:
         temperature: float = 0.0,
         batch_size: int = 8,
         enable_thinking: bool | None = None,
+        cache: str = "dynamic",
     ):
         from transformers import GenerationConfig
 
+        if cache not in self.CACHES:
+            raise ValueError(f"cache must be one of {self.CACHES}, not {cache!r}")
+        self.cache = cache
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.batch_size = batch_size
@@ -229,6 +243,7 @@ class LocalBackend:
             max_new_tokens=max_new_tokens,
             eos_token_id=sorted(self.stop_ids),
             pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(self.stop_ids),
+            cache_implementation="static" if cache == "static" else None,
             **sampling,
         )
 
@@ -297,7 +312,12 @@ class LocalBackend:
             for p in prompts
         ]
         enc = self.tokenizer(
-            texts, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False
+            texts,
+            return_tensors="pt",
+            padding=True,
+            padding_side="left",
+            add_special_tokens=False,
+            pad_to_multiple_of=self.PAD_MULTIPLE if self.cache == "static" else None,
         ).to(self.model.device)
         with torch.no_grad():
             out = self.model.generate(**enc, generation_config=self.generation_config)

@@ -33,16 +33,18 @@ class Scale:
     target: dict = field(default_factory=lambda: dict(hidden=128, layers=6, heads=4, kv_heads=2))
     target_batch: int = 16
     target_lr: float = 3e-3
-    target_compile: bool = False  # torch.compile the target's decoder layers for its pretraining
+    target_compile: bool = False  # torch.compile the target's decoder layers (regional) for its pretraining
     prompt_tokens: int = 48
     response_tokens: int = 64
     conversations: int = 960
     regen_batch: int = 64
+    regen_cache: str = "dynamic"  # LocalBackend's cache: "static" compiles generate's decoding step
     prepare_procs: int = 1  # processes that tokenize in `data prepare`
     drafter: dict = field(default_factory=lambda: {"drafter.num_layers": 2, "drafter.num_taps": 2})
     preset: str = "tiny_cpu"
     drafter_step_s: float = 0.15  # to turn the time budget into a step count
     eval_prompts: int = 24
+    probe_prompts: int = 24  # the proof: the first N eval prompts for tau during training and the reference
     target_share: float = 0.3  # of the time budget
     drafter_share: float = 0.5  # of the time left after the data step (the CPU demo)
     # the proof plans its drafter from measured costs instead: what follows the drafter's steps
@@ -57,14 +59,17 @@ H200 = Scale(
     device="cuda",
     vocab_size=8192,
     target=dict(hidden=768, layers=12, heads=12, kv_heads=4),
-    # eager: 255K tok/s at 128 rows, 192K at 64 (benchmarks/proof_stages.py)
+    # eager: 255K tok/s at 128 rows, 192K at 64; compiled layers: 592K at 128 (benchmarks/proof_stages.py)
     target_batch=128,
     target_lr=1e-3,
+    target_compile=True,
     prompt_tokens=64,
     response_tokens=128,
-    # session 3's 20,000 were seen 4.5 times: tau_train 6.3 vs held-out 3.2; 446 conversations/s at 8192
-    conversations=40960,
+    # attempt 5's 40,960 were seen about 4 times: tau_train 7.6 vs held-out 3.95; regeneration at
+    # batch 8192 runs 880 conversations/s on a static cache (386 on the dynamic one)
+    conversations=65536,
     regen_batch=8192,
+    regen_cache="static",
     prepare_procs=8,
     drafter={
         "drafter.num_layers": 3,
@@ -78,10 +83,14 @@ H200 = Scale(
     # attempt 5 (docs/results.md): 52 ms per step in `flashdraft train` (35 ms in `flashdraft bench`,
     # whose synthetic data skips the loader, since made ~8 ms faster but not yet timed on the GPU)
     drafter_step_s=0.052,
-    proof_eval_s=200.0,  # attempt 5: eval T = 0 82 s, reference 23 s, eval T = 1 95 s
+    # attempt 5 without graphs: eval T = 0 82 s, reference 23 s, eval T = 1 95 s on 12 prompts; with
+    # graphs the loop ran 6-12x faster per token (benchmarks/decode_overhead.py): 32 prompts, estimated
+    proof_eval_s=90.0,
     drafter_startup_s=60.0,  # attempt 5: cold compile 33 s, two tau probes 19 s, loading
-    eval_prompts=12,
-    target_share=0.2,
+    cuda_graphs=True,
+    eval_prompts=32,  # attempt 5's 12 left the tau ratio's 95% interval at 1.10-1.99
+    probe_prompts=12,  # tau during training and the reference package: dynamic caches, no graphs
+    target_share=0.14,  # compiled, 0.14 of 9.25 min trains more steps than attempt 5's eager 0.2 of 9
     drafter_share=0.5,
     source_bytes=60_000_000,
 )
@@ -157,7 +166,7 @@ def pretrain_target(model, tokenizer, pairs: list[dict], seconds: float, progres
             group["lr"] = scale.target_lr * min(1.0, (step + 1) / 20) * max(0.05, 1 - frac)
         idx = torch.randint(0, len(enc), (scale.target_batch,), generator=g, device=device)
         with torch.autocast(device.type, torch.bfloat16, enabled=device.type == "cuda"):
-            out = model(input_ids=ids[idx], labels=labels[idx])
+            out = model(input_ids=ids[idx], labels=labels[idx], use_cache=False)
         out.loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
@@ -226,7 +235,12 @@ def prepare(out: Path, budget_s: float, scale: Scale, console: Console) -> Prepa
     regenerated = data_dir / "regenerated.jsonl"
     served, _ = load_target(target_dir, scale.device)  # the target as training and decoding load it (bf16)
     backend = LocalBackend(
-        served, tokenizer, max_new_tokens=scale.response_tokens, temperature=0.0, batch_size=scale.regen_batch
+        served,
+        tokenizer,
+        max_new_tokens=scale.response_tokens,
+        temperature=0.0,
+        batch_size=scale.regen_batch,
+        cache=scale.regen_cache,
     )
     with console.status("the target rewrites the assistant turns (greedy): flashdraft data regenerate"):
         regenerate_file(backend, str(source), regenerated, progress=False)

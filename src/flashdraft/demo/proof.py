@@ -57,6 +57,7 @@ SMOKE = dataclasses.replace(
     proof_eval_s=20.0,
     drafter_startup_s=10.0,
     eval_prompts=4,
+    probe_prompts=3,
     source_bytes=3_000_000,
 )
 
@@ -79,7 +80,8 @@ def start_drafter(
     extra: dict,
     prompts: Path | None = None,
 ) -> DrafterRun:
-    """`flashdraft train` in a subprocess; with `prompts`, tau on them halfway and at the end."""
+    """`flashdraft train` in a subprocess; with `prompts`, tau on the first scale.probe_prompts of them
+    halfway and at the end."""
     run_dir = out / "runs" / name
     run_dir.parent.mkdir(parents=True, exist_ok=True)
     log_every = 25
@@ -88,7 +90,7 @@ def start_drafter(
     cmd += ["--data", str(data_dir), "--out", str(run_dir), "--preset", scale.preset]
     cmd += ["--device", scale.device, "--max-steps", str(steps)]
     if prompts is not None:
-        config |= {"eval_num_prompts": scale.eval_prompts, "eval_max_new_tokens": scale.response_tokens}
+        config |= {"eval_num_prompts": scale.probe_prompts, "eval_max_new_tokens": scale.response_tokens}
         every = log_every * max(1, steps // (2 * log_every))
         cmd += ["--eval-prompts", str(prompts), "--eval-every", str(every)]
     config_path = out / "runs" / f"{name}.yaml"
@@ -197,7 +199,7 @@ def run_proof(
     each trains as many steps as the main drafter did. resume=True keeps the stages an earlier (killed)
     run of the same OUT finished and does the rest."""
     from flashdraft.eval.report import compare_methods, write_report
-    from flashdraft.eval.spec import encode_prompt, eval_tau, read_prompts
+    from flashdraft.eval.spec import encode_prompt, eval_tau, mean_tau, read_prompts
     from flashdraft.export.formats import export_checkpoint
     from flashdraft.model.checkpoint import load_drafter
     from flashdraft.model.target import load_target
@@ -286,13 +288,17 @@ def run_proof(
     evaluate(0.0)
     model, tokenizer = load_target(target_dir, scale.device)
     prompt_ids = [encode_prompt(tokenizer, m) for m in prompts]
+    # the probe prompts: tau during training and the reference package, set against our eval on them
+    ours = json.loads((out / "eval" / "report_T0.json").read_text())["dflash"]["tau_per_sample"]
+    probe = min(scale.probe_prompts, len(prompts))
+    if "tau_T0_probe_prompts" not in summary:
+        save(probe_prompts=probe, tau_T0_probe_prompts=mean_tau(ours[:probe]))
     if reference and "reference" not in summary:
         export_dir = out / "export" / "zlab"
         if not export_dir.exists():  # the export is atomic: a directory there is complete
             export_checkpoint(Path(main["checkpoint"]), "zlab", export_dir)
-        ref = reference_tau(export_dir, target_dir, prompt_ids, scale.response_tokens, scale.device)
-        ours = json.loads((out / "eval" / "report_T0.json").read_text())["dflash"]["tau_per_sample"]
-        same = [abs(a - b) < 1e-6 for a, b in zip(ref["tau_per_sample"], ours, strict=True)]
+        ref = reference_tau(export_dir, target_dir, prompt_ids[:probe], scale.response_tokens, scale.device)
+        same = [abs(a - b) < 1e-6 for a, b in zip(ref["tau_per_sample"], ours[:probe], strict=True)]
         ref["samples_with_our_tau"] = sum(same)
         clock.lap("reference_s")
         save(reference=ref)
@@ -312,7 +318,9 @@ def run_proof(
         d = summary["drafters"][name]
         if "tau" not in d:
             drafter = load_drafter(d["checkpoint"], scale.device, dtype=model.dtype).eval()
-            d["tau"] = eval_tau(model, tokenizer, drafter, prompt_ids, scale.response_tokens)
+            d["tau"] = eval_tau(
+                model, tokenizer, drafter, prompt_ids, scale.response_tokens, cuda_graphs=scale.cuda_graphs
+            )
             clock.lap(f"eval_{name}_s")
             save()
     print_proof(summary, console)
@@ -356,4 +364,10 @@ def print_proof(s: dict, console: Console) -> None:
                 f"tau DFlash / n-gram at {t}: {r['ratio']:.2f} (95% interval {lo:.2f}-{hi:.2f} over "
                 f"{r['samples']} prompts; tau standard error {s[f'tau_stderr_{t}']:.2f})"
             )
+    probes = s["drafters"]["main"].get("tau_during_training")
+    if probes and "tau_T0_probe_prompts" in s:
+        console.print(
+            f"tau during training at step {probes[-1][0]}: {probes[-1][1]:.2f}; the T = 0 eval's on the "
+            f"same {s['probe_prompts']} prompts: {s['tau_T0_probe_prompts']:.2f}"
+        )
     console.print(f"stage seconds: {s['seconds']}; total {s['wall_s']:.0f} s")

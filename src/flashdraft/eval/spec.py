@@ -307,15 +307,21 @@ def eval_tau(
     max_new_tokens: int = 64,
     block_size: int | None = None,
     thinking: bool = False,
+    cuda_graphs: bool = False,
 ) -> float:
     """Greedy tau of `drafter` on a few prompts, cheap enough to call every N training steps.
 
     prompts: token-id lists (tokenizer may then be None), or, with a tokenizer, strings (one user turn)
     or message lists, rendered with its chat template. Stops at the target's end-of-sequence ids.
+    cuda_graphs: as in run_methods (an eval-mode drafter whose weights stay put: not during training).
     """
     spec = decoding_target(target, drafter)
     ids = [_prompt_ids(p, tokenizer, thinking) for p in prompts]
     stops = stop_token_ids(spec.model, tokenizer)
+    block = block_size or drafter.block_size
+    static, static_dflash = (
+        static_decoders(spec, drafter, ids, max_new_tokens, block) if cuda_graphs else (None, None)
+    )
     was_training = drafter.training
     drafter.eval()
     try:
@@ -324,9 +330,10 @@ def eval_tau(
                 spec,
                 torch.tensor([p], device=spec.device),
                 max_new_tokens,
-                DFlashProposer(drafter, spec),
-                block_size or drafter.block_size,
+                static_dflash or DFlashProposer(drafter, spec),
+                block,
                 stop_token_ids=stops,
+                static=static,
             ).tau
             for p in ids
         ]
@@ -361,6 +368,20 @@ def _proposer(method: str, drafter: DFlashDrafter, target: Target, static_dflash
     return None
 
 
+def static_decoders(
+    target: Target, drafter: DFlashDrafter, prompts: Sequence[Sequence[int]], max_new_tokens: int, block: int
+) -> tuple[StaticTarget, StaticDFlashProposer]:
+    """The target and the DFlash proposer on fixed-shape caches long enough for every prompt, their
+    CUDA graphs (on a GPU) captured for every verify width 1..block."""
+    max_len = max(len(p) for p in prompts) + max_new_tokens + block
+    graphs = Graphs(target.device)
+    static = StaticTarget(target, max_len, graphs)
+    static_dflash = StaticDFlashProposer(drafter, target, max_len, graphs, block)
+    static.capture(range(1, block + 1))
+    static_dflash.capture()
+    return static, static_dflash
+
+
 def run_methods(
     target: Target,
     drafter: DFlashDrafter,
@@ -378,14 +399,9 @@ def run_methods(
     not measured. cuda_graphs: every method's target forwards and the drafter's on fixed-shape caches,
     replayed as CUDA graphs on a GPU (flashdraft.eval.static)."""
     device = target.device
-    static = static_dflash = None
-    if cuda_graphs:
-        max_len = max(len(p) for p in prompts) + max_new_tokens + block_size
-        graphs = Graphs(device)
-        static = StaticTarget(target, max_len, graphs)
-        static_dflash = StaticDFlashProposer(drafter, target, max_len, graphs, block_size)
-        static.capture(range(1, block_size + 1))
-        static_dflash.capture()
+    static, static_dflash = (
+        static_decoders(target, drafter, prompts, max_new_tokens, block_size) if cuda_graphs else (None, None)
+    )
     proposers = {m: (lambda m=m: _proposer(m, drafter, target, static_dflash)) for m in METHODS}
     results: dict[str, list[Generation]] = {m: [] for m in METHODS}
     warm = torch.tensor([prompts[0]], device=device)
