@@ -138,6 +138,9 @@ def test_eval_tau_is_the_mean_of_per_sample_tau_and_restores_training_mode():
     finally:
         s.trained.eval()
     assert tau == pytest.approx(sum(per_sample) / 3)
+    # on the fixed-shape caches (the proof's ablations): the same cycles, so the same tau
+    graphs = eval_tau(s.model, None, s.trained, s.prompts[:3], max_new_tokens=24, cuda_graphs=True)
+    assert graphs == pytest.approx(tau, rel=1e-6)
 
 
 def test_eval_tau_on_a_bare_model_wraps_it_once():

@@ -47,9 +47,14 @@ def test_the_proof_runs_every_stage_and_the_reference_package_agrees(tmp_path):
     # a run killed after its drafters: --resume trains nothing again and measures what is missing
     with pytest.raises(FileExistsError, match="--resume"):
         run_proof(tmp_path, 1.0, SMOKE)
-    cut = json.loads(json.dumps({k: v for k, v in s.items() if k not in ("tau_T1", "reference")}))
+    dropped = ("tau_T1", "reference", "tau_T0_probe_prompts")
+    cut = json.loads(json.dumps({k: v for k, v in s.items() if k not in dropped}))
     cut["drafters"]["taps_3"].pop("tau")
     (tmp_path / "proof.json").write_text(json.dumps(cut))
+    # prompts past the probe ones must not count in the probe figures (a tiny target gives every
+    # prompt the same tau, so the report is edited to tell them apart)
+    report["dflash"]["tau_per_sample"][probe:] = [16.0] * (SMOKE.eval_prompts - probe)
+    (tmp_path / "eval" / "report_T0.json").write_text(json.dumps(report))
     trained = {p: p.stat().st_mtime_ns for p in tmp_path.glob("runs/*/checkpoints/*/model.safetensors")}
     again = run_proof(tmp_path, 1.0, SMOKE, ablations=True, resume=True)
     assert {
@@ -57,7 +62,8 @@ def test_the_proof_runs_every_stage_and_the_reference_package_agrees(tmp_path):
     } == trained
     assert again["tau_T1"] == pytest.approx(s["tau_T1"])  # same seed, same drafter: same samples
     assert again["drafters"]["taps_3"]["tau"] == s["drafters"]["taps_3"]["tau"]
-    assert again["reference"]["samples_with_our_tau"] == SMOKE.probe_prompts
+    assert again["reference"]["samples_with_our_tau"] == probe
+    assert again["tau_T0_probe_prompts"] == pytest.approx(s["tau_T0_probe_prompts"])
 
 
 def test_the_drafter_budget_leaves_room_for_the_evals():

@@ -91,7 +91,7 @@ def start_drafter(
     cmd += ["--device", scale.device, "--max-steps", str(steps)]
     if prompts is not None:
         config |= {"eval_num_prompts": scale.probe_prompts, "eval_max_new_tokens": scale.response_tokens}
-        every = log_every * max(1, steps // (2 * log_every))
+        every = log_every * max(1, -(-steps // (2 * log_every)))  # halfway; the last step probes anyway
         cmd += ["--eval-prompts", str(prompts), "--eval-every", str(every)]
     config_path = out / "runs" / f"{name}.yaml"
     nested: dict = {}
