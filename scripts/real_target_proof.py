@@ -12,6 +12,7 @@ Prints one table; writes OUT/proof.json. See flashdraft.demo.proof.
     python scripts/real_target_proof.py --out runs/proof [--minutes 9] [--ablations]
     python scripts/real_target_proof.py --out runs/proof --resume --ablations   # ablations afterwards
     python scripts/real_target_proof.py --out /tmp/smoke --smoke   # minutes on a CPU, to check the flow
+    python scripts/real_target_proof.py --out runs/p8 --drafter data.rows_per_batch=8 --step-ms 40
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import dataclasses
 from pathlib import Path
 
 from flashdraft.demo.pipeline import H200
-from flashdraft.demo.proof import SMOKE, run_proof
+from flashdraft.demo.proof import SMOKE, run_proof, with_drafter_overrides
 
 
 def main() -> None:
@@ -49,6 +50,18 @@ def main() -> None:
         help="time kept for the evals after the drafter (default: the scale's)",
     )
     ap.add_argument("--eval-prompts", type=int, help="held-out prompts to decode (default: the scale's, 32)")
+    ap.add_argument(
+        "--drafter",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="change the drafter's `flashdraft train` config (repeatable), e.g. drafter.num_layers=5",
+    )
+    ap.add_argument(
+        "--step-ms",
+        type=float,
+        help="the drafter step time the budget plans with (default: the scale's, measured at its shapes)",
+    )
     args = ap.parse_args()
     scale = SMOKE if args.smoke else H200
     if args.cuda_graphs is not None:
@@ -57,6 +70,10 @@ def main() -> None:
         scale = dataclasses.replace(scale, proof_eval_s=args.eval_seconds)
     if args.eval_prompts is not None:
         scale = dataclasses.replace(scale, eval_prompts=args.eval_prompts)
+    try:
+        scale = with_drafter_overrides(scale, args.drafter, args.step_ms)
+    except ValueError as e:
+        ap.error(str(e))
     run_proof(args.out, args.minutes, scale, args.ablations, not args.no_reference, args.resume)
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from flashdraft.demo.pipeline import H200
-from flashdraft.demo.proof import SMOKE, VARIANTS, drafter_steps, run_proof
+from flashdraft.demo.proof import SMOKE, VARIANTS, drafter_steps, run_proof, with_drafter_overrides
 from flashdraft.eval.spec import mean_tau
 
 pytestmark = pytest.mark.slow
@@ -72,3 +72,15 @@ def test_the_drafter_budget_leaves_room_for_the_evals():
     assert H200.drafter_startup_s + steps * H200.drafter_step_s + H200.proof_eval_s <= 306
     assert drafter_steps(306 + 10 * H200.drafter_step_s, H200) == steps + 10
     assert drafter_steps(0, H200) == 50
+
+
+def test_drafter_overrides_change_the_config_and_the_plan_or_fail_by_name():
+    scale = with_drafter_overrides(H200, ["drafter.num_layers=5", "data.rows_per_batch = 8"], step_ms=40)
+    assert scale.drafter["drafter.num_layers"] == 5 and scale.drafter["data.rows_per_batch"] == 8
+    assert scale.drafter["drafter.num_taps"] == H200.drafter["drafter.num_taps"]  # the rest kept
+    assert scale.drafter_step_s == 0.04 and H200.drafter["drafter.num_layers"] == 3
+    assert with_drafter_overrides(H200, []).drafter_step_s == H200.drafter_step_s
+    with pytest.raises(ValueError, match="KEY=VALUE"):
+        with_drafter_overrides(H200, ["drafter.num_layers"])
+    with pytest.raises(ValueError, match="num_layerz"):
+        with_drafter_overrides(H200, ["drafter.num_layerz=5"])

@@ -179,6 +179,23 @@ def train_drafters(
                 r.process.kill()
 
 
+def with_drafter_overrides(scale: Scale, items: list[str], step_ms: float | None = None) -> Scale:
+    """The scale with its drafter config changed by KEY=VALUE items (dotted `flashdraft train` keys,
+    values read as YAML), checked against the training config before anything runs; step_ms: the
+    step time the budget plans with, which a change of shape changes."""
+    from flashdraft.config import resolve_config
+
+    drafter = dict(scale.drafter)
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--drafter {item!r}: expected KEY=VALUE, e.g. drafter.num_layers=5")
+        drafter[key.strip()] = yaml.safe_load(value)
+    resolve_config(scale.preset, **drafter)  # an unknown key or a bad value fails here, named
+    scale = dataclasses.replace(scale, drafter=drafter)
+    return scale if step_ms is None else dataclasses.replace(scale, drafter_step_s=step_ms / 1e3)
+
+
 def drafter_steps(remaining_s: float, scale: Scale) -> int:
     """Steps that fit what is left of the budget once the drafter's start-up and the evals that
     follow it are set aside, at the measured step time (at least 50)."""
