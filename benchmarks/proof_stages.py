@@ -122,9 +122,9 @@ def main() -> None:
         convs = [chat(p["prompt"], p["response"]) for p in pairs[:batch]]
         outputs = {}
         for kind in kinds:
-            backend = LocalBackend(model, tokenizer, max_new_tokens=scale.response_tokens, batch_size=batch)
-            if kind == "static":  # transformers compiles the decoding step when the cache is static
-                backend.generation_config.cache_implementation = "static"
+            backend = LocalBackend(
+                model, tokenizer, max_new_tokens=scale.response_tokens, batch_size=batch, cache=kind
+            )
             first = time.time()
             backend.regenerate(convs[:8] if kind == "dynamic" else convs)  # warm-up (and compilation)
             first = time.time() - first
