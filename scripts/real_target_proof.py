@@ -12,7 +12,8 @@ Prints one table; writes OUT/proof.json. See flashdraft.demo.proof.
     python scripts/real_target_proof.py --out runs/proof [--minutes 9] [--ablations]
     python scripts/real_target_proof.py --out runs/proof --resume --ablations   # ablations afterwards
     python scripts/real_target_proof.py --out /tmp/smoke --smoke   # minutes on a CPU, to check the flow
-    python scripts/real_target_proof.py --out runs/p8 --drafter data.rows_per_batch=8 --step-ms 40
+    python scripts/real_target_proof.py --out runs/p9 --drafter drafter.num_layers=5 --step-ms 45
+    python scripts/real_target_proof.py --out runs/p10 --scale conversations=131072 --scale regen_batch=16384
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import dataclasses
 from pathlib import Path
 
 from flashdraft.demo.pipeline import H200
-from flashdraft.demo.proof import SMOKE, run_proof, with_drafter_overrides
+from flashdraft.demo.proof import SMOKE, run_proof, with_drafter_overrides, with_scale_overrides
 
 
 def main() -> None:
@@ -62,6 +63,13 @@ def main() -> None:
         type=float,
         help="the drafter step time the budget plans with (default: the scale's, measured at its shapes)",
     )
+    ap.add_argument(
+        "--scale",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="change a field of the scale (repeatable), e.g. conversations=131072 regen_batch=16384",
+    )
     args = ap.parse_args()
     scale = SMOKE if args.smoke else H200
     if args.cuda_graphs is not None:
@@ -71,6 +79,7 @@ def main() -> None:
     if args.eval_prompts is not None:
         scale = dataclasses.replace(scale, eval_prompts=args.eval_prompts)
     try:
+        scale = with_scale_overrides(scale, args.scale)
         scale = with_drafter_overrides(scale, args.drafter, args.step_ms)
     except ValueError as e:
         ap.error(str(e))

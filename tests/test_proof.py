@@ -7,7 +7,14 @@ from pathlib import Path
 import pytest
 
 from flashdraft.demo.pipeline import H200
-from flashdraft.demo.proof import SMOKE, VARIANTS, drafter_steps, run_proof, with_drafter_overrides
+from flashdraft.demo.proof import (
+    SMOKE,
+    VARIANTS,
+    drafter_steps,
+    run_proof,
+    with_drafter_overrides,
+    with_scale_overrides,
+)
 from flashdraft.eval.spec import mean_tau
 
 pytestmark = pytest.mark.slow
@@ -22,6 +29,13 @@ def test_the_proof_runs_every_stage_and_the_reference_package_agrees(tmp_path):
     for name, d in s["drafters"].items():
         assert d["steps"] == s["drafter_steps"] >= 50 and 1.0 <= d["tau_train"] <= 16.0
         assert name == "main" or 1.0 <= d["tau"] <= 16.0
+    # the drafter's prompts come from source files the target never trained on, the eval's from others
+    sources = {k: set(v) for k, v in json.loads((tmp_path / "sources.json").read_text()).items()}
+    assert all(sources.values()) and not (sources["prompts"] | sources["eval"]) & sources["target"]
+    assert not sources["prompts"] & sources["eval"]
+    with open(tmp_path / "data" / "conversations.jsonl") as f:
+        origins = {json.loads(line)["id"].rsplit("#", 1)[0] for line in f}
+    assert len(origins) > 1 and origins <= sources["prompts"]
     ablation = Path(s["drafters"]["no_target_features"]["checkpoint"])
     config = json.loads((ablation / "config.json").read_text())
     assert config["dflash_config"]["target_layer_ids"] == [-1]
@@ -75,8 +89,8 @@ def test_the_drafter_budget_leaves_room_for_the_evals():
 
 
 def test_drafter_overrides_change_the_config_and_the_plan_or_fail_by_name():
-    scale = with_drafter_overrides(H200, ["drafter.num_layers=5", "data.rows_per_batch = 8"], step_ms=40)
-    assert scale.drafter["drafter.num_layers"] == 5 and scale.drafter["data.rows_per_batch"] == 8
+    scale = with_drafter_overrides(H200, ["drafter.num_layers=5", "data.rows_per_batch = 16"], step_ms=40)
+    assert scale.drafter["drafter.num_layers"] == 5 and scale.drafter["data.rows_per_batch"] == 16
     assert scale.drafter["drafter.num_taps"] == H200.drafter["drafter.num_taps"]  # the rest kept
     assert scale.drafter_step_s == 0.04 and H200.drafter["drafter.num_layers"] == 3
     assert with_drafter_overrides(H200, []).drafter_step_s == H200.drafter_step_s
@@ -84,3 +98,19 @@ def test_drafter_overrides_change_the_config_and_the_plan_or_fail_by_name():
         with_drafter_overrides(H200, ["drafter.num_layers"])
     with pytest.raises(ValueError, match="num_layerz"):
         with_drafter_overrides(H200, ["drafter.num_layerz=5"])
+
+
+def test_scale_overrides_change_plain_fields_or_fail_by_name():
+    scale = with_scale_overrides(H200, ["conversations=131072", "regen_batch = 16384", "proof_eval_s=60"])
+    assert (scale.conversations, scale.regen_batch, scale.proof_eval_s) == (131072, 16384, 60.0)
+    assert scale.drafter == H200.drafter and H200.conversations == 65536  # the rest kept, H200 untouched
+    assert with_scale_overrides(H200, ["cuda_graphs=false"]).cuda_graphs is False
+    for bad, message in [
+        ("conversation=1", "KEY one of"),
+        ("drafter=3", "KEY one of"),  # the drafter's config has its own option
+        ("conversations", "KEY=VALUE"),
+        ("conversations=1.5", "not a int"),
+        ("cuda_graphs=3", "not a bool"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            with_scale_overrides(H200, [bad])

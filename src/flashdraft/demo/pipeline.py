@@ -2,7 +2,8 @@
 
 1. a byte-level BPE tokenizer and a tiny Qwen3 target, trained here on the standard library's
    Python source as chat turns (user: the start of a code window, assistant: what follows);
-2. training conversations whose assistant turns the target itself rewrites (greedy, local backend);
+2. training conversations whose assistant turns the target itself rewrites (greedy, local backend),
+   their prompts from other source files than the target's (`Scale.prompt_tenths`);
 3. `data prepare`'s tokenizer with the chat template and assistant-only loss masks -> token shards;
 4. a DFlash drafter trained online against the target (`flashdraft train`'s Trainer);
 5. speculative decoding on held-out prompts: DFlash vs n-gram lookup vs plain decoding.
@@ -52,9 +53,14 @@ class Scale:
     drafter_startup_s: float = 15.0  # process start, compilation, the tau probes
     cuda_graphs: bool = False  # the proof's evals on fixed-shape caches replayed as CUDA graphs
     source_bytes: int | None = None  # None: the standard library; else this much installed Python source
+    # of every 10 source files: 1 is held out for the eval, this many give the drafter's training
+    # prompts, the rest train the target. Served prompts are text the target never trained on, so the
+    # drafter's should be too: on memorised text a target continues with the file, on unseen text
+    # with its own habits (repeats), which are what the drafter must learn. 0: the target's windows.
+    prompt_tenths: int = 0
 
 
-CPU = Scale()
+CPU = Scale(prompt_tenths=3)
 H200 = Scale(
     device="cuda",
     vocab_size=8192,
@@ -66,7 +72,8 @@ H200 = Scale(
     prompt_tokens=64,
     response_tokens=128,
     # attempt 5's 40,960 were seen about 4 times: tau_train 7.6 vs held-out 3.95; regeneration at
-    # batch 8192 runs 880 conversations/s on a static cache (386 on the dynamic one)
+    # batch 8192 runs 880 conversations/s on a static cache (386 on the dynamic one). Attempt 8's
+    # 131,072 took 222 s to regenerate and left the drafter 377 steps: data costs steps 1:1 here
     conversations=65536,
     regen_batch=8192,
     regen_cache="static",
@@ -75,22 +82,23 @@ H200 = Scale(
         "drafter.num_layers": 3,
         "drafter.num_taps": 5,  # session 3's ablation: tau 3.36 with 5 taps, 3.17 with 3
         "data.seq_len": 2048,
-        "data.rows_per_batch": 4,
+        "data.rows_per_batch": 8,  # flashdraft bench: 359K context tokens/s against 254K at 4 rows
         "num_anchors": 256,
         "optim.lr": 1e-3,
     },
     preset="default",
-    # attempt 6 (docs/results.md): median step 26.2 ms in `flashdraft train` with the Arrow loader
-    # (attempt 5: 52 ms); it planned with 52 ms and 90 s of evals, and finished 81 s inside its budget
-    drafter_step_s=0.027,
+    # attempt 7 (docs/results.md): median step 43 ms at 8 rows in `flashdraft train` (attempt 6: 26.2
+    # ms at 4 rows); planned with 40 ms, it finished 8 s inside its budget
+    drafter_step_s=0.043,
     proof_eval_s=75.0,  # attempt 6, graphs, 32 prompts: eval T = 0 21 s, reference 22 s, eval T = 1 26 s
-    drafter_startup_s=90.0,  # attempt 6: start, loading and cold compile ~47 s, the tau probes ~37 s
+    drafter_startup_s=80.0,  # attempt 7: the drafter stage less its steps, i.e. start, compile, probes
     cuda_graphs=True,
     eval_prompts=32,  # attempt 5's 12 left the tau ratio's 95% interval at 1.10-1.99
     probe_prompts=12,  # tau during training and the reference package: dynamic caches, no graphs
     target_share=0.14,  # compiled, 0.14 of 9.25 min trains more steps than attempt 5's eager 0.2 of 9
     drafter_share=0.5,
-    source_bytes=60_000_000,
+    source_bytes=120_000_000,  # 60 MB train the target (attempt 6: 54 MB), 48 MB give ~70K prompts
+    prompt_tenths=4,  # attempt 7: served tau 4.96 against attempt 6's 3.24 on the target's own windows
 )
 
 
@@ -104,19 +112,38 @@ def source_files(scale: Scale) -> list[Path]:
         if size > 2000 and total < scale.source_bytes:
             files.append(path)
             total += size
+    if total < scale.source_bytes:
+        raise ValueError(
+            f"source_bytes={scale.source_bytes:,} asked for, but {root} holds only {total:,} bytes of "
+            "Python files over 2 KB"
+        )
     return files
 
 
+def split_files(files: list[Path], prompt_tenths: int) -> dict[str, list[Path]]:
+    """Disjoint, interleaved (so each package feeds all three): eval prompts, drafter prompts, target."""
+    if not 0 <= prompt_tenths <= 8:
+        raise ValueError(f"prompt_tenths must be in 0..8 (1 of 10 files is the eval's), got {prompt_tenths}")
+    split: dict[str, list[Path]] = {"eval": [], "prompts": [], "target": []}
+    for i, f in enumerate(files):
+        k = i % 10
+        split["eval" if k == 0 else "prompts" if k <= prompt_tenths else "target"].append(f)
+    return split
+
+
 def code_windows(texts: list[str], tokenizer, prompt_tokens: int, response_tokens: int) -> list[dict]:
-    """Consecutive windows of each text: {prompt, response, ids} split at `prompt_tokens`."""
+    """Consecutive windows of each text: {prompt, response, ids, text} split at `prompt_tokens`,
+    `text` the index of the window's text."""
     span = prompt_tokens + response_tokens
-    windows = []
-    for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]:  # batched: parallel in Rust
-        windows += [ids[start : start + span] for start in range(0, len(ids) - span + 1, span)]
+    windows, origin = [], []
+    for t, ids in enumerate(tokenizer(texts, add_special_tokens=False)["input_ids"]):  # batched in Rust
+        starts = range(0, len(ids) - span + 1, span)
+        windows += [ids[start : start + span] for start in starts]
+        origin += [t] * len(starts)
     prompts = tokenizer.batch_decode([w[:prompt_tokens] for w in windows])
     responses = tokenizer.batch_decode([w[prompt_tokens:] for w in windows])
-    pairs = zip(prompts, responses, windows, strict=True)
-    return [{"prompt": p, "response": r, "ids": w} for p, r, w in pairs]
+    pairs = zip(prompts, responses, windows, origin, strict=True)
+    return [{"prompt": p, "response": r, "ids": w, "text": t} for p, r, w, t in pairs]
 
 
 def chat(prompt: str, response: str | None = None) -> list[dict]:
@@ -202,11 +229,16 @@ def prepare(out: Path, budget_s: float, scale: Scale, console: Console) -> Prepa
     from flashdraft.model.target import load_target
 
     clock = StageClock()
-    files = source_files(scale)
-    held_out = files[::10]
-    train_files = [f for f in files if f not in set(held_out)]
-    train_texts = [f.read_text(errors="replace") for f in train_files]
-    console.print(f"[bold]flashdraft[/] -> {out} ({len(train_files)} Python source files for training)")
+    split = split_files(source_files(scale), scale.prompt_tenths)
+    train_texts = [f.read_text(errors="replace") for f in split["target"]]
+    console.print(
+        f"[bold]flashdraft[/] -> {out} (Python source files: {len(split['target'])} train the target, "
+        f"{len(split['prompts']) or 'its'} give the drafter's prompts, {len(split['eval'])} the eval's)"
+    )
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "sources.json").write_text(
+        json.dumps({k: [str(f) for f in v] for k, v in split.items()}, indent=1)
+    )
     tokenizer = build_tokenizer(train_texts, vocab_size=scale.vocab_size)
     pairs = code_windows(train_texts, tokenizer, scale.prompt_tokens, scale.response_tokens)
     target = build_tiny_target(tokenizer, **scale.target)
@@ -223,12 +255,23 @@ def prepare(out: Path, budget_s: float, scale: Scale, console: Console) -> Prepa
 
     data_dir = out / "data"
     data_dir.mkdir(parents=True, exist_ok=True)
+    prompt_files = split["prompts"] or split["target"]
+    pool = pairs
+    if split["prompts"]:
+        texts = [f.read_text(errors="replace") for f in prompt_files]
+        pool = code_windows(texts, tokenizer, scale.prompt_tokens, scale.response_tokens)
+    if len(pool) < scale.conversations:
+        raise ValueError(
+            f"{scale.conversations} conversations asked for, but the drafter's prompt files hold only "
+            f"{len(pool)} windows: raise source_bytes or lower conversations"
+        )
     g = torch.Generator().manual_seed(1)
-    picks = torch.randperm(len(pairs), generator=g)[: scale.conversations].tolist()
+    picks = torch.randperm(len(pool), generator=g)[: scale.conversations].tolist()
     source = data_dir / "conversations.jsonl"
     with open(source, "w") as f:
         for i in picks:
-            record = {"id": f"demo-{i}", "messages": chat(pairs[i]["prompt"], pairs[i]["response"])}
+            w = pool[i]
+            record = {"id": f"{prompt_files[w['text']]}#{i}", "messages": chat(w["prompt"], w["response"])}
             f.write(json.dumps(record) + "\n")
     regenerated = data_dir / "regenerated.jsonl"
     served, _ = load_target(target_dir, scale.device)  # the target as training and decoding load it (bf16)
@@ -253,7 +296,7 @@ def prepare(out: Path, budget_s: float, scale: Scale, console: Console) -> Prepa
     console.print(f"data: {stats['kept']} conversations, {stats['loss_tokens']} loss tokens -> {data_dir}")
     clock.lap("prepare_s")
 
-    held_texts = [f.read_text(errors="replace") for f in held_out]
+    held_texts = [f.read_text(errors="replace") for f in split["eval"]]
     eval_pairs = code_windows(held_texts, tokenizer, scale.prompt_tokens, scale.response_tokens)
     eval_pairs = eval_pairs[:: max(1, len(eval_pairs) // scale.eval_prompts)][: scale.eval_prompts]
     summary = {

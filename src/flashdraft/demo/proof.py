@@ -196,6 +196,25 @@ def with_drafter_overrides(scale: Scale, items: list[str], step_ms: float | None
     return scale if step_ms is None else dataclasses.replace(scale, drafter_step_s=step_ms / 1e3)
 
 
+def with_scale_overrides(scale: Scale, items: list[str]) -> Scale:
+    """The scale with plain fields (numbers, strings, flags) changed by KEY=VALUE items, e.g.
+    conversations=131072; an unknown field or a value of another type fails, named."""
+    fields = {f.name: getattr(scale, f.name) for f in dataclasses.fields(scale)}
+    changes = {}
+    for item in items:
+        key, sep, value = (part.strip() for part in item.partition("="))
+        if not sep or key not in fields or isinstance(fields[key], dict):
+            plain = sorted(k for k, v in fields.items() if not isinstance(v, dict))
+            raise ValueError(f"--scale {item!r}: expected KEY=VALUE with KEY one of {', '.join(plain)}")
+        new, old = yaml.safe_load(value), fields[key]
+        if isinstance(old, float) and type(new) is int:
+            new = float(new)
+        if old is not None and type(new) is not type(old):
+            raise ValueError(f"--scale {key}: {value!r} is not a {type(old).__name__} like {old!r}")
+        changes[key] = new
+    return dataclasses.replace(scale, **changes)
+
+
 def drafter_steps(remaining_s: float, scale: Scale) -> int:
     """Steps that fit what is left of the budget once the drafter's start-up and the evals that
     follow it are set aside, at the measured step time (at least 50)."""
