@@ -24,6 +24,7 @@ from flashdraft.data.regenerate import (
     failed_path_for,
     regenerate_file,
 )
+from flashdraft.model.grouped_attention import NAME as GROUPED
 
 
 class FakeChatServer(ThreadingHTTPServer):
@@ -335,9 +336,11 @@ def test_local_backend_batches_left_padded_greedy_turn_by_turn(tiny_target, cach
         parse_record(RawRecord("in", 1, json.dumps(r).encode()), require_answers=False) for r in records
     ]
     backend = LocalBackend(model, tokenizer, max_new_tokens=4, batch_size=2, cache=cache)
+    assert model.config._attn_implementation == GROUPED  # decoding reads each key/value head once
     results = {conv.id: result for conv, result in backend.regenerate_each(conversations)}
     assert (StaticCache in caches) == (cache == "static") and caches
     caches.clear()
+    model.set_attn_implementation("sdpa")  # the reference on transformers' own attention
     assert results == {r["id"]: reference(model, tokenizer, r["messages"], 4) for r in records}
     assert backend.regenerate([prompt_only["messages"]]) == [results["p"].messages]
 

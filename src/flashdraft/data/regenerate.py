@@ -36,6 +36,7 @@ from flashdraft.data.formats import (
     parse_record,
     with_reasoning,
 )
+from flashdraft.model.grouped_attention import use_grouped_attention
 
 _RETRY_STATUS = {408, 409, 425, 429, 500, 502, 503, 504}
 _MAX_BACKOFF_S = 60.0
@@ -211,6 +212,9 @@ class LocalBackend:
     alone (docs/results.md). Prompts are then padded to a multiple of PAD_MULTIPLE tokens so that
     batches share a few cache shapes (each new shape compiles again). Greedy outputs equal the dynamic
     cache's up to the compiled kernels' rounding: 65% of 8192 conversations of 128 tokens were equal.
+
+    A model on transformers' sdpa attention is switched to flashdraft.model.grouped_attention, which
+    decodes grouped-query attention without copying the cache to every query head.
     """
 
     PAD_MULTIPLE = 32
@@ -232,6 +236,7 @@ class LocalBackend:
             raise ValueError(f"cache must be one of {self.CACHES}, not {cache!r}")
         self.cache = cache
         self.model = model.eval()
+        use_grouped_attention(self.model)
         self.tokenizer = tokenizer
         self.batch_size = batch_size
         self.template_kwargs = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
