@@ -57,6 +57,28 @@ def decode_forward_ms(model, batch: int, context: int, sync, reps: int = 10) -> 
     return 1e3 * sorted(times[2:])[reps // 2]
 
 
+def profile(backend, convs: list, path: Path, sync) -> None:
+    """One regeneration under torch.profiler: the kernels and operators by GPU time, and how much of
+    the wall time the GPU was busy (the rest is host work between kernels)."""
+    from torch.profiler import ProfilerActivity
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    sync()
+    t = time.time()
+    with torch.profiler.profile(activities=activities) as prof:
+        backend.regenerate(convs)
+        sync()
+    wall = time.time() - t
+    events = prof.key_averages()
+    kernels = sum(e.self_device_time_total for e in events if e.device_type.name == "CUDA") / 1e6
+    head = f"wall {wall:.2f} s under the profiler; GPU kernels {kernels:.2f} s ({100 * kernels / wall:.0f}%)"
+    order = "self_cuda_time_total" if activities[1:] else "self_cpu_time_total"
+    table = events.table(sort_by=order, row_limit=30)
+    path.write_text(head + "\n" + table + "\n")
+    print(head, flush=True)
+    print(table[:6000], flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True)
@@ -65,6 +87,10 @@ def main() -> None:
     ap.add_argument("--compiled", default="256", help="target batch sizes also run with compiled layers")
     ap.add_argument("--regen-batches", default="1024,4096")
     ap.add_argument("--regen-static", action="store_true", help="also on a static cache, compiled")
+    ap.add_argument("--regen-caches", help="the caches to run, e.g. static (default: dynamic[,static])")
+    ap.add_argument(
+        "--profile", action="store_true", help="one more regeneration per setting under torch.profiler"
+    )
     ap.add_argument("--source-mb", type=float, default=15.0, help="Python source to train on")
     ap.add_argument("--smoke", action="store_true", help="the proof's CPU shapes: check the script only")
     args = ap.parse_args()
@@ -118,6 +144,8 @@ def main() -> None:
 
     model.generate = timed_generate
     kinds = ["dynamic", "static"] if args.regen_static else ["dynamic"]
+    if args.regen_caches:
+        kinds = args.regen_caches.split(",")
     for batch in [int(b) for b in args.regen_batches.split(",")]:
         convs = [chat(p["prompt"], p["response"]) for p in pairs[:batch]]
         outputs = {}
@@ -145,6 +173,8 @@ def main() -> None:
                  "forward_ms": decode_forward_ms(model, batch, scale.prompt_tokens + 16, sync)}
             )  # fmt: skip
             print(rows[-1], flush=True)
+            if args.profile:
+                profile(backend, convs, args.out / f"profile_{kind}_{batch}.txt", sync)
         if len(outputs) == 2:
             same = sum(a == b for a, b in zip(outputs["dynamic"], outputs["static"], strict=True))
             rows.append({"stage": "regenerate", "batch": batch, "static_equals_dynamic": same, "of": batch})
