@@ -28,7 +28,20 @@ def test_a_recompile_after_warm_up_stops_the_run_with_a_clear_message(tmp_path, 
         trainer.train_step_guarded()  # same shapes: no recompile
         # tau during training decodes with ever-changing shapes: eagerly, not as a recompile error
         trainer.tau_probe = (None, [[5, 6, 7, 8, 9, 10], [11, 12, 13]])
-        assert 1.0 <= trainer.measure_tau()["tau"] <= 16.0
+        tau = trainer.measure_tau()["tau"]
+        assert 1.0 <= tau <= 16.0
+        # on fixed-shape caches (CUDA graphs on a GPU): an uncompiled copy with the drafter's weights
+        import flashdraft.eval.spec as spec
+
+        seen, eval_tau = {}, spec.eval_tau
+        monkeypatch.setattr(spec, "eval_tau", lambda *a, **k: seen.update(a=a, k=k) or eval_tau(*a, **k))
+        trainer.cfg = trainer.cfg.model_copy(update={"eval_cuda_graphs": True})
+        assert trainer.measure_tau()["tau"] == tau
+        copy = seen["a"][2]
+        assert seen["k"] == {"cuda_graphs": True} and copy is not trainer.drafter and not copy.training
+        mine = trainer.drafter.state_dict()
+        assert all(torch.equal(v, mine[k]) for k, v in copy.state_dict().items()) and len(mine) > 0
+        trainer.cfg = trainer.cfg.model_copy(update={"eval_cuda_graphs": False})
         trainer.train_step_guarded()
         docs = random_docs([150, 100], seed=2, prompt_len=10)
         odd = collate_rows([[d] for d in docs], 160, pad_token_id=0)  # a row length the warm-up never saw

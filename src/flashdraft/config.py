@@ -64,6 +64,11 @@ class TrainConfig(_Strict):
     eval_prompts: str | None = Field(None, description="JSONL of held-out prompts for tau during training")
     eval_num_prompts: int = Field(8, ge=1)
     eval_max_new_tokens: int = Field(64, ge=1)
+    eval_cuda_graphs: bool = Field(
+        False,
+        description="tau during training on fixed-shape caches replayed as CUDA graphs, decoding a copy "
+        "of the drafter in the target's dtype (as a served export): faster probes on a GPU",
+    )
     max_bad_steps: int = Field(5, ge=1, description="stop after this many consecutive non-finite steps")
     wandb: bool = Field(False, description="also log to Weights & Biases (offline unless WANDB_MODE is set)")
     keep_last: int | None = Field(None, ge=1, description="keep only the newest K checkpoints")

@@ -143,7 +143,11 @@ def load_drafter(
     cfg.mask_token_id = int(dflash["mask_token_id"])
     cfg.block_size = int(dflash.get("block_size", raw.get("block_size", 16)))
     cfg.num_target_layers = int(raw["num_target_layers"])
-    drafter = DFlashDrafter(cfg)
-    state = load_file(str(ckpt_dir / WEIGHTS))
+    return drafter_from_state(cfg, load_file(str(ckpt_dir / WEIGHTS)), device, dtype)
+
+
+def drafter_from_state(config, state: dict, device, dtype=torch.float32) -> DFlashDrafter:
+    """A drafter holding `state` rounded through `dtype` (as a checkpoint saved in it), on `device`."""
+    drafter = DFlashDrafter(config)
     drafter.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=True)
     return drafter.to(device)

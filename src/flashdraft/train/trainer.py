@@ -24,6 +24,7 @@ from flashdraft.dist.exchange import MessageShape, RemoteFeatures, serve_feature
 from flashdraft.dist.parallel import clip_grad_norm, full_state, gradient_sync, parallelize, sharding_line
 from flashdraft.dist.topology import Topology, init_topology
 from flashdraft.model.checkpoint import (
+    drafter_from_state,
     latest_checkpoint,
     prune_checkpoints,
     remove_partial_checkpoints,
@@ -579,9 +580,22 @@ class Trainer:
 
         tokenizer, prompts = self.tau_probe
         t0 = time.perf_counter()
-        with self.target.full_depth(), self._autocast(), torch.compiler.set_stance("force_eager"):
-            tau = eval_tau(self.target, tokenizer, self.drafter, prompts, self.cfg.eval_max_new_tokens)
+        new_tokens = self.cfg.eval_max_new_tokens
+        if self.cfg.eval_cuda_graphs:  # graphs need weights that stay put: a copy, as a served export
+            drafter = self.served_copy()
+            with self.target.full_depth(), torch.compiler.set_stance("force_eager"):
+                tau = eval_tau(self.target, tokenizer, drafter, prompts, new_tokens, cuda_graphs=True)
+            del drafter
+        else:
+            with self.target.full_depth(), self._autocast(), torch.compiler.set_stance("force_eager"):
+                tau = eval_tau(self.target, tokenizer, self.drafter, prompts, new_tokens)
         return {"tau": tau, "tau_eval_s": time.perf_counter() - t0}
+
+    def served_copy(self) -> DFlashDrafter:
+        """An uncompiled eval-mode copy of the drafter as `flashdraft eval` loads its export: weights
+        rounded through the target's dtype (bf16 on a GPU)."""
+        dtype = next(self.target.model.parameters()).dtype
+        return drafter_from_state(self.drafter.config, self.drafter.state_dict(), self.device, dtype).eval()
 
     def _fingerprint_extra(self) -> dict:
         keys = ("step", "ctx_tok_s", "draft_pos_s", "loss")
