@@ -3,9 +3,10 @@
 1. Target pretraining (flashdraft.demo.pipeline.pretrain_target) at several batch sizes, eager or
    compiled: steps/s and tokens/s after the first 20% of each run (warm-up, compilation), and the loss
    reached in the same number of seconds.
-2. Greedy regeneration (flashdraft.data.regenerate.LocalBackend, bf16, the last target trained) at
-   several batch sizes: conversations/s, new tokens/s, and generate's time per step next to one
-   decoding forward's alone (what generate adds around the model).
+2. Greedy regeneration (flashdraft.data.regenerate.LocalBackend, bf16, the last target trained) per
+   cache and attention at several batch sizes: conversations/s, new tokens/s, generate's time per
+   step next to one decoding forward's alone (what generate adds around the model), and how many
+   outputs equal the first setting's.
 
 The drafter's step time comes from `flashdraft bench --shape proof-95m`.
 
@@ -89,6 +90,11 @@ def main() -> None:
     ap.add_argument("--regen-static", action="store_true", help="also on a static cache, compiled")
     ap.add_argument("--regen-caches", help="the caches to run, e.g. static (default: dynamic[,static])")
     ap.add_argument(
+        "--regen-attention",
+        default="grouped",
+        help="LocalBackend attentions to run, e.g. grouped,sdpa,flex_attention",
+    )
+    ap.add_argument(
         "--profile", action="store_true", help="one more regeneration per setting under torch.profiler"
     )
     ap.add_argument("--source-mb", type=float, default=15.0, help="Python source to train on")
@@ -146,12 +152,19 @@ def main() -> None:
     kinds = ["dynamic", "static"] if args.regen_static else ["dynamic"]
     if args.regen_caches:
         kinds = args.regen_caches.split(",")
+    settings = [(kind, attn) for kind in kinds for attn in args.regen_attention.split(",")]
     for batch in [int(b) for b in args.regen_batches.split(",")]:
         convs = [chat(p["prompt"], p["response"]) for p in pairs[:batch]]
-        outputs = {}
-        for kind in kinds:
+        first_outputs = None
+        for kind, attn in settings:
+            model.set_attn_implementation("sdpa")  # what the backend's attention option starts from
             backend = LocalBackend(
-                model, tokenizer, max_new_tokens=scale.response_tokens, batch_size=batch, cache=kind
+                model,
+                tokenizer,
+                max_new_tokens=scale.response_tokens,
+                batch_size=batch,
+                cache=kind,
+                attention=attn,
             )
             first = time.time()
             backend.regenerate(convs[:8] if kind == "dynamic" else convs)  # warm-up (and compilation)
@@ -162,23 +175,22 @@ def main() -> None:
             done = backend.regenerate(convs)
             sync()
             seconds = time.time() - t
-            outputs[kind] = [c[-1]["content"] for c in done]
+            outputs = [c[-1]["content"] for c in done]
+            first_outputs = first_outputs or outputs
+            same = sum(a == b for a, b in zip(outputs, first_outputs, strict=True))
             new = sum(len(tokenizer(c[-1]["content"])["input_ids"]) for c in done)
             peak = torch.cuda.max_memory_allocated() / 2**30 if scale.device == "cuda" else 0.0
             rows.append(
-                {"stage": "regenerate", "cache": kind, "batch": batch, "seconds": seconds,
+                {"stage": "regenerate", "cache": kind, "attention": attn, "batch": batch, "seconds": seconds,
                  "first_call_s": first, "conv_s": batch / seconds, "new_tok_s": new / seconds,
                  "peak_gib": peak, "step_ms": 1e3 * seconds / scale.response_tokens,
                  "generate_step_ms": 1e3 * sum(generate_s) / scale.response_tokens,
-                 "forward_ms": decode_forward_ms(model, batch, scale.prompt_tokens + 16, sync)}
+                 "forward_ms": decode_forward_ms(model, batch, scale.prompt_tokens + 16, sync),
+                 "outputs_equal_to_first_setting": same}
             )  # fmt: skip
             print(rows[-1], flush=True)
             if args.profile:
-                profile(backend, convs, args.out / f"profile_{kind}_{batch}.txt", sync)
-        if len(outputs) == 2:
-            same = sum(a == b for a, b in zip(outputs["dynamic"], outputs["static"], strict=True))
-            rows.append({"stage": "regenerate", "batch": batch, "static_equals_dynamic": same, "of": batch})
-            print(rows[-1], flush=True)
+                profile(backend, convs, args.out / f"profile_{kind}_{attn}_{batch}.txt", sync)
     (args.out / "stages.json").write_text(json.dumps(rows, indent=2) + "\n")
 
 

@@ -345,6 +345,21 @@ def test_local_backend_batches_left_padded_greedy_turn_by_turn(tiny_target, cach
     assert backend.regenerate([prompt_only["messages"]]) == [results["p"].messages]
 
 
+def test_local_backend_attention_is_grouped_named_or_kept(tiny_target_dir):
+    model = AutoModelForCausalLM.from_pretrained(tiny_target_dir)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_target_dir)
+    messages = [{"role": "user", "content": "a question"}]
+    expected = reference(model, tokenizer, messages, 6).messages  # transformers' sdpa, as loaded
+    assert model.config._attn_implementation == "sdpa"
+    LocalBackend(model, tokenizer, max_new_tokens=6, attention=None)
+    assert model.config._attn_implementation == "sdpa"  # kept
+    eager = LocalBackend(model, tokenizer, max_new_tokens=6, attention="eager")
+    assert model.config._attn_implementation == "eager"
+    assert eager.regenerate([messages]) == [expected]
+    with pytest.raises(ValueError, match="needs the model on transformers' sdpa attention, not 'eager'"):
+        LocalBackend(model, tokenizer, max_new_tokens=6)  # grouped, the default
+
+
 def test_local_backend_rejects_an_unknown_cache(tiny_target):
     with pytest.raises(ValueError, match="cache must be one of"):
         LocalBackend(*tiny_target, max_new_tokens=4, cache="paged")

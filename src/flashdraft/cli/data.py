@@ -125,6 +125,11 @@ def regenerate(
     cache: str = typer.Option(
         "dynamic", help="local: dynamic, or static (compiled decoding step, CUDA graphs on a GPU)"
     ),
+    attention: str = typer.Option(
+        "grouped",
+        help="local: grouped (one query token's heads grouped under their key/value head, on sdpa), or "
+        "a transformers attention implementation (sdpa, eager, flex_attention, ...), or model (as loaded)",
+    ),
     chat_template: Path | None = typer.Option(None, help="local: Jinja chat template file"),
     device: str | None = typer.Option(None, help="local: torch device (default: cuda when visible)"),
     limit: int | None = typer.Option(
@@ -167,6 +172,7 @@ def regenerate(
                 batch_size=batch_size,
                 enable_thinking=thinking,
                 cache=cache,
+                attention=None if attention == "model" else attention,
                 chat_template=_read_template(chat_template),
             )
         summary = regenerate_file(engine, input, out, split=split, limit=limit, progress=progress)

@@ -213,8 +213,10 @@ class LocalBackend:
     batches share a few cache shapes (each new shape compiles again). Greedy outputs equal the dynamic
     cache's up to the compiled kernels' rounding: 65% of 8192 conversations of 128 tokens were equal.
 
-    A model on transformers' sdpa attention is switched to flashdraft.model.grouped_attention, which
-    decodes grouped-query attention without copying the cache to every query head.
+    attention="grouped" (the default) decodes with flashdraft.model.grouped_attention, grouped-query
+    attention without copying the cache to every query head; it needs the model on transformers'
+    sdpa. Another name sets that transformers attention implementation (sdpa, eager, flex_attention,
+    ...); None keeps the model's own.
     """
 
     PAD_MULTIPLE = 32
@@ -229,6 +231,7 @@ class LocalBackend:
         batch_size: int = 8,
         enable_thinking: bool | None = None,
         cache: str = "dynamic",
+        attention: str | None = "grouped",
     ):
         from transformers import GenerationConfig
 
@@ -236,7 +239,14 @@ class LocalBackend:
             raise ValueError(f"cache must be one of {self.CACHES}, not {cache!r}")
         self.cache = cache
         self.model = model.eval()
-        use_grouped_attention(self.model)
+        if attention == "grouped":
+            if not use_grouped_attention(self.model):
+                raise ValueError(
+                    f"attention='grouped' needs the model on transformers' sdpa attention, not "
+                    f"{self.model.config._attn_implementation!r}; pass attention=None to keep it"
+                )
+        elif attention is not None:
+            self.model.set_attn_implementation(attention)
         self.tokenizer = tokenizer
         self.batch_size = batch_size
         self.template_kwargs = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
