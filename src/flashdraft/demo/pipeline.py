@@ -255,9 +255,9 @@ def prepare(out: Path, budget_s: float, scale: Scale, console: Console) -> Prepa
 
     data_dir = out / "data"
     data_dir.mkdir(parents=True, exist_ok=True)
-    prompt_files = split["prompts"] or split["target"]
-    pool = pairs
+    prompt_files, pool = split["target"], pairs  # prompt_tenths=0: the target's own windows
     if split["prompts"]:
+        prompt_files = split["prompts"]
         texts = [f.read_text(errors="replace") for f in prompt_files]
         pool = code_windows(texts, tokenizer, scale.prompt_tokens, scale.response_tokens)
     if len(pool) < scale.conversations:

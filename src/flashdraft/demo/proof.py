@@ -179,6 +179,14 @@ def train_drafters(
                 r.process.kill()
 
 
+def key_value(option: str, item: str, example: str) -> tuple[str, object]:
+    """KEY=VALUE -> (KEY, VALUE read as YAML)."""
+    key, sep, value = item.partition("=")
+    if not sep or not key.strip():
+        raise ValueError(f"{option} {item!r}: expected KEY=VALUE, e.g. {example}")
+    return key.strip(), yaml.safe_load(value)
+
+
 def with_drafter_overrides(scale: Scale, items: list[str], step_ms: float | None = None) -> Scale:
     """The scale with its drafter config changed by KEY=VALUE items (dotted `flashdraft train` keys,
     values read as YAML), checked against the training config before anything runs; step_ms: the
@@ -187,10 +195,8 @@ def with_drafter_overrides(scale: Scale, items: list[str], step_ms: float | None
 
     drafter = dict(scale.drafter)
     for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise ValueError(f"--drafter {item!r}: expected KEY=VALUE, e.g. drafter.num_layers=5")
-        drafter[key.strip()] = yaml.safe_load(value)
+        key, value = key_value("--drafter", item, "drafter.num_layers=5")
+        drafter[key] = value
     resolve_config(scale.preset, **drafter)  # an unknown key or a bad value fails here, named
     scale = dataclasses.replace(scale, drafter=drafter)
     return scale if step_ms is None else dataclasses.replace(scale, drafter_step_s=step_ms / 1e3)
@@ -202,15 +208,15 @@ def with_scale_overrides(scale: Scale, items: list[str]) -> Scale:
     fields = {f.name: getattr(scale, f.name) for f in dataclasses.fields(scale)}
     changes = {}
     for item in items:
-        key, sep, value = (part.strip() for part in item.partition("="))
-        if not sep or key not in fields or isinstance(fields[key], dict):
+        key, new = key_value("--scale", item, "conversations=131072")
+        if key not in fields or isinstance(fields[key], dict):
             plain = sorted(k for k, v in fields.items() if not isinstance(v, dict))
             raise ValueError(f"--scale {item!r}: expected KEY=VALUE with KEY one of {', '.join(plain)}")
-        new, old = yaml.safe_load(value), fields[key]
+        old = fields[key]
         if isinstance(old, float) and type(new) is int:
             new = float(new)
         if old is not None and type(new) is not type(old):
-            raise ValueError(f"--scale {key}: {value!r} is not a {type(old).__name__} like {old!r}")
+            raise ValueError(f"--scale {key}: {new!r} is not a {type(old).__name__} like {old!r}")
         changes[key] = new
     return dataclasses.replace(scale, **changes)
 

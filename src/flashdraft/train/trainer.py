@@ -585,7 +585,6 @@ class Trainer:
             drafter = self.served_copy()
             with self.target.full_depth(), torch.compiler.set_stance("force_eager"):
                 tau = eval_tau(self.target, tokenizer, drafter, prompts, new_tokens, cuda_graphs=True)
-            del drafter
         else:
             with self.target.full_depth(), self._autocast(), torch.compiler.set_stance("force_eager"):
                 tau = eval_tau(self.target, tokenizer, self.drafter, prompts, new_tokens)
