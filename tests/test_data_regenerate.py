@@ -24,7 +24,7 @@ from flashdraft.data.regenerate import (
     failed_path_for,
     regenerate_file,
 )
-from flashdraft.model.grouped_attention import NAME as GROUPED
+from flashdraft.model.grouped_attention import NAMES
 
 
 class FakeChatServer(ThreadingHTTPServer):
@@ -314,8 +314,9 @@ def reference(model, tokenizer, messages: list[dict], max_new_tokens: int) -> Re
     return Regenerated(chained, cuts)
 
 
+@pytest.mark.parametrize("attention", ["grouped", "grouped_sdpa"])
 @pytest.mark.parametrize("cache", ["dynamic", "static"])
-def test_local_backend_batches_left_padded_greedy_turn_by_turn(tiny_target, cache, monkeypatch):
+def test_local_backend_batches_left_padded_greedy_turn_by_turn(tiny_target, cache, attention, monkeypatch):
     from transformers import Cache, StaticCache
 
     model, tokenizer = tiny_target
@@ -335,8 +336,9 @@ def test_local_backend_batches_left_padded_greedy_turn_by_turn(tiny_target, cach
     conversations = [
         parse_record(RawRecord("in", 1, json.dumps(r).encode()), require_answers=False) for r in records
     ]
-    backend = LocalBackend(model, tokenizer, max_new_tokens=4, batch_size=2, cache=cache)
-    assert model.config._attn_implementation == GROUPED  # decoding reads each key/value head once
+    backend = LocalBackend(model, tokenizer, max_new_tokens=4, batch_size=2, cache=cache, attention=attention)
+    kernel = "sdpa" if attention == "grouped_sdpa" else "matmul"
+    assert model.config._attn_implementation == NAMES[kernel]  # decoding reads each key/value head once
     results = {conv.id: result for conv, result in backend.regenerate_each(conversations)}
     assert (StaticCache in caches) == (cache == "static") and caches
     caches.clear()
@@ -358,6 +360,9 @@ def test_local_backend_attention_is_grouped_named_or_kept(tiny_target_dir):
     assert eager.regenerate([messages]) == [expected]
     with pytest.raises(ValueError, match="needs the model on transformers' sdpa attention, not 'eager'"):
         LocalBackend(model, tokenizer, max_new_tokens=6)  # grouped, the default
+    model.set_attn_implementation("sdpa")
+    with pytest.raises(ValueError, match="kernel must be one of"):
+        LocalBackend(model, tokenizer, max_new_tokens=6, attention="grouped_flash")
 
 
 def test_local_backend_rejects_an_unknown_cache(tiny_target):

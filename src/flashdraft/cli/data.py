@@ -127,7 +127,8 @@ def regenerate(
     ),
     attention: str = typer.Option(
         "grouped",
-        help="local: grouped (one query token's heads grouped under their key/value head, on sdpa), or "
+        help="local: grouped (one query token's heads grouped under their key/value head; grouped_sdpa: "
+        "the same on SDPA), or "
         "a transformers attention implementation (sdpa, eager, flex_attention, ...), or model (as loaded)",
     ),
     chat_template: Path | None = typer.Option(None, help="local: Jinja chat template file"),

@@ -214,9 +214,10 @@ class LocalBackend:
     cache's up to the compiled kernels' rounding: 65% of 8192 conversations of 128 tokens were equal.
 
     attention="grouped" (the default) decodes with flashdraft.model.grouped_attention, grouped-query
-    attention without copying the cache to every query head; it needs the model on transformers'
-    sdpa. Another name sets that transformers attention implementation (sdpa, eager, flex_attention,
-    ...); None keeps the model's own.
+    attention without copying the cache to every query head (its matmul kernel; "grouped_sdpa": its
+    SDPA kernel). Both need the model on transformers' sdpa. Another name sets
+    that transformers attention implementation (sdpa, eager, flex_attention, ...); None keeps the
+    model's own.
     """
 
     PAD_MULTIPLE = 32
@@ -239,8 +240,9 @@ class LocalBackend:
             raise ValueError(f"cache must be one of {self.CACHES}, not {cache!r}")
         self.cache = cache
         self.model = model.eval()
-        if attention == "grouped":
-            if not use_grouped_attention(self.model):
+        if attention is not None and attention.startswith("grouped"):
+            kernel = attention.removeprefix("grouped").lstrip("_") or "matmul"
+            if not use_grouped_attention(self.model, kernel):
                 raise ValueError(
                     f"attention='grouped' needs the model on transformers' sdpa attention, not "
                     f"{self.model.config._attn_implementation!r}; pass attention=None to keep it"

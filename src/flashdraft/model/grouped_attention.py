@@ -7,9 +7,16 @@ copies the whole cache `num_key_value_groups` times in every layer and step, and
 on the proof's target (12 query heads, 4 key/value heads) at batch 8192 on an H200 the copy took 41%
 and the attention 39% of the GPU time (`benchmarks/proof_stages.py --profile`, docs/results.md).
 
-Here one query token's heads are laid out as (key/value head, group) rows, so SDPA attends each cached
-head once, compiled or not. Everything else (prefill, several query tokens, no groups) is transformers'
-sdpa, unchanged; masks come from transformers' sdpa mask builder.
+Here one query token's heads are laid out as (key/value head, group) rows, so each cached head is read
+once, and attend by one of two kernels:
+- "matmul" (the default): two batched matmuls around a float32 softmax, as transformers' eager
+  attention computes it, left to the compiler;
+- "sdpa": torch's SDPA, which picks cuDNN on a GPU.
+At the regeneration's shapes on an H200 (batch 8192, 4 key/value heads, 192 cached tokens,
+`benchmarks/decode_attention.py`) compiled matmul took 0.64 ms a call (2.5 TB/s of cache read), SDPA
+1.41 ms, transformers' repeat_kv SDPA 3.52 ms, and flex_attention with enable_gqa 165 ms (not kept).
+Everything else (prefill, several query tokens, no groups) is transformers' sdpa, unchanged; masks
+come from transformers' sdpa mask builder.
 """
 
 from __future__ import annotations
@@ -17,46 +24,78 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-NAME = "grouped_decode_sdpa"  # no "flash" in it: transformers would look for a flash kernel
+# no "flash" in the names: transformers would look for a flash kernel
+NAMES = {"matmul": "grouped_decode_matmul", "sdpa": "grouped_decode_sdpa"}
 
 
-def grouped_sdpa(
-    module: torch.nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    dropout: float = 0.0,
-    scaling: float | None = None,
-    is_causal: bool | None = None,
-    **kwargs,
-) -> tuple[torch.Tensor, None]:
-    """transformers' attention-interface signature: query (B, H, 1, D), key/value (B, H_kv, S, D),
-    mask (B, 1, 1, S) or None; returns (B, 1, H, D)."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    groups = getattr(module, "num_key_value_groups", 1)
-    batch, heads, q_len, dim = query.shape
-    shared_mask = attention_mask is None or attention_mask.shape[1] == 1
-    if q_len != 1 or groups == 1 or not shared_mask or kwargs.get("position_bias") is not None:
-        options = dict(dropout=dropout, scaling=scaling, is_causal=is_causal)
-        return sdpa_attention_forward(module, query, key, value, attention_mask, **options, **kwargs)
-    grouped = query.reshape(batch, heads // groups, groups, dim)  # heads are numbered kv-head-major
-    out = F.scaled_dot_product_attention(
-        grouped, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling
-    )
-    return out.reshape(batch, 1, heads, value.shape[-1]), None
+def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    if mask.dtype == torch.bool:
+        return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, float("-inf"))
+    return mask.to(dtype)
 
 
-def use_grouped_attention(model) -> bool:
-    """Switch a model on transformers' sdpa attention to `grouped_sdpa` (registered once); a model on
-    another implementation (flash, eager) is left as it is. Returns whether it was switched."""
+def attend_sdpa(query, key, value, mask, scale):
+    """query (B, H, 1, D), key/value (B, H_kv, S, D), mask (B, 1, 1, S) or None -> (B, H, 1, D)."""
+    batch, heads, _, dim = query.shape
+    grouped = query.reshape(batch, key.shape[1], heads // key.shape[1], dim)  # kv-head-major heads
+    out = F.scaled_dot_product_attention(grouped, key, value, attn_mask=mask, scale=scale)
+    return out.reshape(batch, heads, 1, value.shape[-1])
+
+
+def attend_matmul(query, key, value, mask, scale):
+    batch, heads, _, dim = query.shape
+    grouped = query.reshape(batch, key.shape[1], heads // key.shape[1], dim)
+    scores = torch.matmul(grouped, key.transpose(-1, -2)).float() * (scale or dim**-0.5)
+    if mask is not None:
+        scores = scores + _additive(mask, scores.dtype)
+    out = torch.matmul(scores.softmax(-1).to(value.dtype), value)
+    return out.reshape(batch, heads, 1, value.shape[-1])
+
+
+KERNELS = {"matmul": attend_matmul, "sdpa": attend_sdpa}
+
+
+def _grouped(kernel: str):
+    attend = KERNELS[kernel]
+
+    def grouped_attention(
+        module: torch.nn.Module,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        dropout: float = 0.0,
+        scaling: float | None = None,
+        is_causal: bool | None = None,
+        **kwargs,
+    ) -> tuple[torch.Tensor, None]:
+        """transformers' attention-interface signature: query (B, H, 1, D), key/value (B, H_kv, S, D),
+        mask (B, 1, 1, S) or None; returns (B, 1, H, D)."""
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        groups = getattr(module, "num_key_value_groups", 1)
+        shared_mask = attention_mask is None or attention_mask.shape[1] == 1
+        if query.shape[2] != 1 or groups == 1 or not shared_mask or dropout or "position_bias" in kwargs:
+            options = dict(dropout=dropout, scaling=scaling, is_causal=is_causal)
+            return sdpa_attention_forward(module, query, key, value, attention_mask, **options, **kwargs)
+        return attend(query, key, value, attention_mask, scaling).transpose(1, 2), None
+
+    grouped_attention.__name__ = NAMES[kernel]
+    return grouped_attention
+
+
+def use_grouped_attention(model, kernel: str = "matmul") -> bool:
+    """Switch a model on transformers' sdpa attention to grouped decoding attention on `kernel`
+    (registered once); a model on another implementation (flash, eager) is left as it is. Returns
+    whether it was switched."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-    if model.config._attn_implementation not in ("sdpa", NAME):
+    if kernel not in KERNELS:
+        raise ValueError(f"grouped attention kernel must be one of {sorted(KERNELS)}, not {kernel!r}")
+    if model.config._attn_implementation not in ("sdpa", *NAMES.values()):
         return False
-    AttentionInterface.register(NAME, grouped_sdpa)
-    AttentionMaskInterface.register(NAME, sdpa_mask)
-    model.set_attn_implementation(NAME)
+    AttentionInterface.register(NAMES[kernel], _grouped(kernel))
+    AttentionMaskInterface.register(NAMES[kernel], sdpa_mask)
+    model.set_attn_implementation(NAMES[kernel])
     return True
