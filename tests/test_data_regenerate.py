@@ -32,14 +32,20 @@ class FakeChatServer(ThreadingHTTPServer):
 
     k counts the assistant turns already in the prompt, and an earlier assistant turn not written by this
     server is refused (400), so a record comes out right only if each turn saw the regenerated ones.
-    Every `fail_every`-th request gets a 503 to exercise retries; `delay` slows each answer down.
+    Every `fail_every`-th request gets a 503; every `fail_once_every`-th distinct prompt gets a 503 the
+    first time only, which retries always get through (a global count can fail one client's every
+    retry when concurrent clients retry in step); `delay` slows each answer down.
     """
 
-    def __init__(self, fail_every: int = 0, delay: float = 0.0, reasoning: bool = False):
+    def __init__(
+        self, fail_every: int = 0, delay: float = 0.0, reasoning: bool = False, fail_once_every: int = 0
+    ):
         super().__init__(("127.0.0.1", 0), _Handler)
         self.fail_every, self.delay, self.reasoning = fail_every, delay, reasoning
+        self.fail_once_every = fail_once_every
         self.lock = threading.Lock()
         self.requests: list[dict] = []
+        self.prompts: set[str] = set()
         self.failures = 0
 
     @property
@@ -50,7 +56,11 @@ class FakeChatServer(ThreadingHTTPServer):
         with self.lock:
             self.requests.append(body)
             n = len(self.requests)
-        if self.fail_every and n % self.fail_every == 0:
+            prompt = json.dumps(body["messages"])
+            first = prompt not in self.prompts
+            self.prompts.add(prompt)
+            fail_once = self.fail_once_every and first and len(self.prompts) % self.fail_once_every == 0
+        if (self.fail_every and n % self.fail_every == 0) or fail_once:
             with self.lock:
                 self.failures += 1
             return 503, {"error": "busy"}
@@ -148,7 +158,7 @@ def assert_complete(out, want: dict[str, list[dict]]) -> None:
 
 
 def test_server_backend_regenerates_turn_by_turn_through_retries(fake_server, tmp_path):
-    server = fake_server(fail_every=4)
+    server = fake_server(fail_once_every=4)
     want = write_input(tmp_path / "in.jsonl", 12)
     summary = regenerate_file(
         backend(server), str(tmp_path / "in.jsonl"), tmp_path / "out.jsonl", progress=False
@@ -238,7 +248,7 @@ def test_limit_stops_early_and_the_next_run_continues(fake_server, tmp_path):
 
 
 def test_killed_cli_run_resumes_without_gaps_or_duplicates(fake_server, tmp_path):
-    server = fake_server(fail_every=5, delay=0.05)
+    server = fake_server(fail_once_every=5, delay=0.05)
     # 30 records fit in one 8 KiB write buffer: only a flush per record puts lines in the file before the end.
     want = write_input(tmp_path / "in.jsonl", 30)
     out = tmp_path / "out.jsonl"
