@@ -103,7 +103,7 @@ def test_drafter_overrides_change_the_config_and_the_plan_or_fail_by_name():
 def test_scale_overrides_change_plain_fields_or_fail_by_name():
     scale = with_scale_overrides(H200, ["conversations=131072", "regen_batch = 16384", "proof_eval_s=60"])
     assert (scale.conversations, scale.regen_batch, scale.proof_eval_s) == (131072, 16384, 60.0)
-    assert scale.drafter == H200.drafter and H200.conversations == 65536  # the rest kept, H200 untouched
+    assert scale.drafter == H200.drafter and H200.conversations == 98304  # the rest kept, H200 untouched
     assert with_scale_overrides(H200, ["cuda_graphs=false"]).cuda_graphs is False
     for bad, message in [
         ("conversation=1", "KEY one of"),
@@ -114,3 +114,31 @@ def test_scale_overrides_change_plain_fields_or_fail_by_name():
     ]:
         with pytest.raises(ValueError, match=message):
             with_scale_overrides(H200, [bad])
+
+
+def test_a_drafter_runs_throughput_is_its_median_interval_not_the_last(tmp_path):
+    import subprocess
+    import sys
+
+    from flashdraft.demo.proof import DrafterRun, finish_drafter
+    from flashdraft.model.checkpoint import LATEST
+
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "checkpoints" / LATEST).write_text("step_000003\n")
+    # the last interval holds the final tau probe: ten times slower
+    rows = [
+        dict(step=s, loss=1.0, acc_slot1=0.5, tau_train=2.0, ctx_tok_s=t)
+        for s, t in [(1, 9.0), (2, 11.0), (3, 1.0)]
+    ]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    process = subprocess.Popen([sys.executable, "-c", ""])
+    result = finish_drafter(DrafterRun("main", tmp_path, process, tmp_path / "main.log"))
+    assert result["ctx_tok_s"] == 9.0 and result["steps"] == 3
+    assert result["checkpoint"] == str(tmp_path / "checkpoints" / "step_000003")
+
+
+def test_ablations_are_planned_into_the_same_budget():
+    main_only, with_ablations = drafter_steps(500, H200), drafter_steps(500, H200, ablations=True)
+    spent = 2 * H200.drafter_startup_s + H200.proof_eval_s + H200.ablation_eval_s
+    assert spent + with_ablations * (H200.drafter_step_s + H200.ablation_step_s) <= 500
+    assert 50 < with_ablations < main_only

@@ -51,6 +51,9 @@ class Scale:
     # the proof plans its drafter from measured costs instead: what follows the drafter's steps
     proof_eval_s: float = 60.0  # T = 0 and T = 1 evals and the reference package
     drafter_startup_s: float = 15.0  # process start, compilation, the tau probes
+    # the proof's ablations, planned into its budget: one step of both trained at once, and their evals
+    ablation_step_s: float = 0.3
+    ablation_eval_s: float = 20.0
     cuda_graphs: bool = False  # the proof's evals on fixed-shape caches replayed as CUDA graphs
     source_bytes: int | None = None  # None: the standard library; else this much installed Python source
     # of every 10 source files: 1 is held out for the eval, this many give the drafter's training
@@ -71,10 +74,10 @@ H200 = Scale(
     target_compile=True,
     prompt_tokens=64,
     response_tokens=128,
-    # attempt 5's 40,960 were seen about 4 times: tau_train 7.6 vs held-out 3.95; regeneration at
-    # batch 8192 runs 880 conversations/s on a static cache (386 on the dynamic one). Attempt 8's
-    # 131,072 took 222 s to regenerate and left the drafter 377 steps: data costs steps 1:1 here
-    conversations=65536,
+    # attempt 7's 65,534 were seen ~4 times: tau_train 7.91 vs served 4.96. With the grouped matmul
+    # decoding attention attempt 9 regenerated 98,296 in 121 s (812/s, attempt 7: 596/s) and served
+    # 5.33 from ~2.6 passes (tau_train 7.11). Attempt 8's 131,072 on the older attention took 222 s
+    conversations=98304,
     regen_batch=8192,
     regen_cache="static",
     prepare_procs=8,
@@ -92,13 +95,19 @@ H200 = Scale(
     drafter_step_s=0.043,
     proof_eval_s=75.0,  # attempt 6, graphs, 32 prompts: eval T = 0 21 s, reference 22 s, eval T = 1 26 s
     drafter_startup_s=80.0,  # attempt 7: the drafter stage less its steps, i.e. start, compile, probes
+    # attempt 6 (4 rows): both ablations at once took 1.4x the main step; at 8 rows the GPU is busier,
+    # so planned at 2x (not yet measured)
+    ablation_step_s=0.086,
+    ablation_eval_s=20.0,  # attempt 6: 13 s for both
     cuda_graphs=True,
     eval_prompts=32,  # attempt 5's 12 left the tau ratio's 95% interval at 1.10-1.99
     probe_prompts=12,  # tau during training and the reference package: dynamic caches, no graphs
     target_share=0.14,  # compiled, 0.14 of 9.25 min trains more steps than attempt 5's eager 0.2 of 9
     drafter_share=0.5,
-    source_bytes=120_000_000,  # 60 MB train the target (attempt 6: 54 MB), 48 MB give ~70K prompts
-    prompt_tenths=4,  # attempt 7: served tau 4.96 against attempt 6's 3.24 on the target's own windows
+    source_bytes=160_000_000,  # 64 MB train the target (attempt 7: 60 MB), 80 MB give the prompts
+    # attempt 7 (4 in 10): served tau 4.96 against attempt 6's 3.24 on the target's own windows;
+    # attempt 9 (5 in 10): 4,172 prompt files for 98,296 conversations
+    prompt_tenths=5,
 )
 
 

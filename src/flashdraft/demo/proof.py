@@ -10,7 +10,10 @@ The main flow, inside the time budget:
    prompts; the drafter exported to the z-lab layout and decoded by the reference `dflash` package;
    the same comparison at T = 1.
 Then, with ablations=True: the same drafter tapping only the token embedding (no target features) and
-tapping 3 layers, trained together for as many steps as the main one, and their greedy tau.
+tapping 3 layers, trained together for as many steps as the main one, and their greedy tau. They are
+planned into the same time budget (fewer steps for all), so that one call on a lent machine measures
+them: a second call finds the machine cold, and the run directory gone, unless it comes within
+seconds of the first (session 7 lost one that way).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import dataclasses
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -54,6 +58,8 @@ SMOKE = dataclasses.replace(
     response_tokens=32,
     drafter={"drafter.num_layers": 1, "drafter.num_taps": 5, "data.seq_len": 512, "num_anchors": 32},
     drafter_step_s=1.0,
+    ablation_step_s=1.5,
+    ablation_eval_s=10.0,
     proof_eval_s=20.0,
     drafter_startup_s=10.0,
     eval_prompts=4,
@@ -125,7 +131,8 @@ def finish_drafter(run: DrafterRun) -> dict:
         "acc_slot1": last["acc_slot1"],
         # acceptance on training batches: the last 4 logged steps
         "tau_train": sum(m["tau_train"] for m in tail) / len(tail),
-        "ctx_tok_s": last["ctx_tok_s"],
+        # the median logged interval: the last one also holds the final tau probe
+        "ctx_tok_s": statistics.median(m["ctx_tok_s"] for m in lines),
     } | ({"tau_during_training": taus} if taus else {})
 
 
@@ -221,11 +228,16 @@ def with_scale_overrides(scale: Scale, items: list[str]) -> Scale:
     return dataclasses.replace(scale, **changes)
 
 
-def drafter_steps(remaining_s: float, scale: Scale) -> int:
+def drafter_steps(remaining_s: float, scale: Scale, ablations: bool = False) -> int:
     """Steps that fit what is left of the budget once the drafter's start-up and the evals that
-    follow it are set aside, at the measured step time (at least 50)."""
+    follow it are set aside, at the measured step time (at least 50). With ablations, their start-up,
+    evals and as many steps (trained together) come out of the same budget."""
     training_s = remaining_s - scale.proof_eval_s - scale.drafter_startup_s
-    return max(50, int(training_s / scale.drafter_step_s))
+    step_s = scale.drafter_step_s
+    if ablations:
+        training_s -= scale.drafter_startup_s + scale.ablation_eval_s
+        step_s += scale.ablation_step_s
+    return max(50, int(training_s / step_s))
 
 
 def run_proof(
@@ -237,8 +249,9 @@ def run_proof(
     resume: bool = False,
 ) -> dict:
     """Every stage in order; OUT/proof.json is rewritten after each. The main flow (target, data, main
-    drafter, evals, reference package) fits the time budget; ablations, when asked for, come after it:
-    each trains as many steps as the main drafter did. resume=True keeps the stages an earlier (killed)
+    drafter, evals, reference package) and the ablations, when asked for, fit the time budget; they
+    come after it, each for as many steps as the main drafter (asked for only in a resumed run, they
+    come on top of the budget). resume=True keeps the stages an earlier (killed)
     run of the same OUT finished and does the rest."""
     from flashdraft.eval.report import compare_methods, write_report
     from flashdraft.eval.spec import encode_prompt, eval_tau, mean_tau, read_prompts
@@ -285,10 +298,11 @@ def run_proof(
     if "main" not in summary.get("drafters", {}):
         # wall_s: what earlier stages took, in this call or in a killed one this call resumes
         remaining = budget - summary["wall_s"] - clock.since_start()
-        steps = drafter_steps(remaining, scale)
+        steps = drafter_steps(remaining, scale, ablations)
         console.print(
             f"main drafter: {steps} steps ({remaining:.0f} s of the budget left, "
-            f"{scale.proof_eval_s:.0f} s of it kept for the evals)"
+            f"{scale.proof_eval_s:.0f} s of it kept for the evals"
+            + (", the ablations as many steps after it)" if ablations else ")")
         )
         drafters = train_drafters(["main"], steps, summary, out, scale, prompts_path)
         clock.lap("drafters_s")
