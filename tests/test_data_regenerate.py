@@ -330,11 +330,12 @@ def test_local_backend_batches_left_padded_greedy_turn_by_turn(tiny_target, cach
     from transformers import Cache, StaticCache
 
     model, tokenizer = tiny_target
-    caches = set()
+    caches, rows = set(), set()
     forward = model.forward
 
-    def spy(*args, **kwargs):  # the cache generate decodes on
+    def spy(*args, **kwargs):  # the cache generate decodes on, and the batch's rows
         caches.update(type(v) for v in kwargs.values() if isinstance(v, Cache))
+        rows.add(kwargs["input_ids"].shape[0])
         return forward(*args, **kwargs)
 
     monkeypatch.setattr(model, "forward", spy)
@@ -351,6 +352,8 @@ def test_local_backend_batches_left_padded_greedy_turn_by_turn(tiny_target, cach
     assert model.config._attn_implementation == NAMES[kernel]  # decoding reads each key/value head once
     results = {conv.id: result for conv, result in backend.regenerate_each(conversations)}
     assert (StaticCache in caches) == (cache == "static") and caches
+    # one row short in two of the three generate calls: a static cache pads it to the batch's shape
+    assert rows == ({2} if cache == "static" else {1, 2})
     caches.clear()
     model.set_attn_implementation("sdpa")  # the reference on transformers' own attention
     assert results == {r["id"]: reference(model, tokenizer, r["messages"], 4) for r in records}
@@ -390,3 +393,13 @@ def test_cli_local_backend_regenerates_a_file(tiny_target_dir, tmp_path):
     assert sorted(r["id"] for r in rows + failures) == ["r0", "r1", "r2"]
     assert result.exit_code == (1 if failures else 0), result.output
     assert all(r["truncated_turns"] >= 0 and r["messages"][0]["content"].startswith("q") for r in rows)
+
+
+def test_local_backend_decodes_a_batch_as_its_tokenizer_does(tiny_target):
+    model, tokenizer = tiny_target
+    backend = LocalBackend(model, tokenizer, max_new_tokens=4)
+    text = "def f(x):\n    return x  # é"
+    specials = [t for t in (tokenizer.eos_token_id, tokenizer.pad_token_id) if t is not None]
+    ids = [tokenizer(text, add_special_tokens=False)["input_ids"] + specials, specials]
+    assert backend._decode(ids) == [text, ""]
+    assert backend._decode(ids) == [tokenizer.decode(i, skip_special_tokens=True) for i in ids]
