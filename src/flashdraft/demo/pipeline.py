@@ -282,6 +282,7 @@ def prepare(out: Path, budget_s: float, scale: Scale, console: Console) -> Prepa
             w = pool[i]
             record = {"id": f"{prompt_files[w['text']]}#{i}", "messages": chat(w["prompt"], w["response"])}
             f.write(json.dumps(record) + "\n")
+    clock.lap("prompts_s")  # the drafter's prompt files windowed, the conversations written
     regenerated = data_dir / "regenerated.jsonl"
     served, _ = load_target(target_dir, scale.device)  # the target as training and decoding load it (bf16)
     backend = LocalBackend(
