@@ -86,8 +86,8 @@ def _grouped(kernel: str):
 
 def use_grouped_attention(model, kernel: str = "matmul") -> bool:
     """Switch a model on transformers' sdpa attention to grouped decoding attention on `kernel`
-    (registered once); a model on another implementation (flash, eager) is left as it is. Returns
-    whether it was switched."""
+    (registered under NAMES[kernel]); a model on another implementation (flash, eager) is left as it
+    is. Returns whether it was switched."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
