@@ -246,7 +246,7 @@ class LocalBackend:
             kernel = attention.removeprefix("grouped").lstrip("_") or "matmul"
             if not use_grouped_attention(self.model, kernel):
                 raise ValueError(
-                    f"attention='grouped' needs the model on transformers' sdpa attention, not "
+                    f"attention={attention!r} needs the model on transformers' sdpa attention, not "
                     f"{self.model.config._attn_implementation!r}; pass attention=None to keep it"
                 )
         elif attention is not None:

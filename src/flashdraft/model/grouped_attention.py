@@ -34,22 +34,28 @@ def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return mask.to(dtype)
 
 
+def _by_group(query: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """(B, H, 1, D) -> (B, H_kv, H / H_kv, D): query heads are numbered kv-head-major."""
+    batch, heads, _, dim = query.shape
+    return query.reshape(batch, kv_heads, heads // kv_heads, dim)
+
+
 def attend_sdpa(query, key, value, mask, scale):
     """query (B, H, 1, D), key/value (B, H_kv, S, D), mask (B, 1, 1, S) or None -> (B, H, 1, D)."""
-    batch, heads, _, dim = query.shape
-    grouped = query.reshape(batch, key.shape[1], heads // key.shape[1], dim)  # kv-head-major heads
-    out = F.scaled_dot_product_attention(grouped, key, value, attn_mask=mask, scale=scale)
-    return out.reshape(batch, heads, 1, value.shape[-1])
+    out = F.scaled_dot_product_attention(
+        _by_group(query, key.shape[1]), key, value, attn_mask=mask, scale=scale
+    )
+    return out.reshape(query.shape[:3] + value.shape[-1:])
 
 
 def attend_matmul(query, key, value, mask, scale):
-    batch, heads, _, dim = query.shape
-    grouped = query.reshape(batch, key.shape[1], heads // key.shape[1], dim)
-    scores = torch.matmul(grouped, key.transpose(-1, -2)).float() * (scale or dim**-0.5)
+    """As attend_sdpa; the probabilities rounded to the value's dtype, as transformers' eager attention."""
+    scores = torch.matmul(_by_group(query, key.shape[1]), key.transpose(-1, -2)).float()
+    scores = scores * (scale or query.shape[-1] ** -0.5)
     if mask is not None:
         scores = scores + _additive(mask, scores.dtype)
     out = torch.matmul(scores.softmax(-1).to(value.dtype), value)
-    return out.reshape(batch, heads, 1, value.shape[-1])
+    return out.reshape(query.shape[:3] + value.shape[-1:])
 
 
 KERNELS = {"matmul": attend_matmul, "sdpa": attend_sdpa}
@@ -75,7 +81,8 @@ def _grouped(kernel: str):
 
         groups = getattr(module, "num_key_value_groups", 1)
         shared_mask = attention_mask is None or attention_mask.shape[1] == 1
-        if query.shape[2] != 1 or groups == 1 or not shared_mask or dropout or "position_bias" in kwargs:
+        other = dropout or kwargs.get("position_bias") is not None
+        if query.shape[2] != 1 or groups == 1 or not shared_mask or other:
             options = dict(dropout=dropout, scaling=scaling, is_causal=is_causal)
             return sdpa_attention_forward(module, query, key, value, attention_mask, **options, **kwargs)
         return attend(query, key, value, attention_mask, scaling).transpose(1, 2), None
