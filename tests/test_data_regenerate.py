@@ -403,3 +403,34 @@ def test_local_backend_decodes_a_batch_as_its_tokenizer_does(tiny_target):
     ids = [tokenizer(text, add_special_tokens=False)["input_ids"] + specials, specials]
     assert backend._decode(ids) == [text, ""]
     assert backend._decode(ids) == [tokenizer.decode(i, skip_special_tokens=True) for i in ids]
+
+
+def test_local_backend_encodes_the_next_batch_while_this_one_generates(tiny_target, monkeypatch):
+    model, tokenizer = tiny_target
+    backend = LocalBackend(model, tokenizer, max_new_tokens=2, batch_size=1)
+    encoded: list[int] = []
+    second_encoded = threading.Event()
+    encode, generate = backend._encode, model.generate
+
+    def spy_encode(prompts):
+        out = encode(prompts)
+        encoded.append(len(prompts))
+        if len(encoded) == 2:
+            second_encoded.set()
+        return out
+
+    waited: list[bool] = []
+
+    def spy_generate(*args, **kwargs):  # the first batch waits for the second's encoding
+        if not waited:
+            waited.append(second_encoded.wait(timeout=20))
+        return generate(*args, **kwargs)
+
+    monkeypatch.setattr(backend, "_encode", spy_encode)
+    monkeypatch.setattr(model, "generate", spy_generate)
+    records = [conversation(i, 1) for i in range(3)]
+    convs = [parse_record(RawRecord("in", i + 1, json.dumps(r).encode())) for i, r in enumerate(records)]
+    results = {conv.id: result for conv, result in backend.regenerate_each(convs)}
+    assert waited == [True]  # encoded ahead, while the first batch generated
+    assert encoded == [1, 1, 1]  # each batch once: the first round comes from the worker
+    assert results == {r["id"]: reference(model, tokenizer, r["messages"], 2) for r in records}

@@ -103,7 +103,7 @@ def test_drafter_overrides_change_the_config_and_the_plan_or_fail_by_name():
 def test_scale_overrides_change_plain_fields_or_fail_by_name():
     scale = with_scale_overrides(H200, ["conversations=131072", "regen_batch = 16384", "proof_eval_s=60"])
     assert (scale.conversations, scale.regen_batch, scale.proof_eval_s) == (131072, 16384, 60.0)
-    assert scale.drafter == H200.drafter and H200.conversations == 98304  # the rest kept, H200 untouched
+    assert scale.drafter == H200.drafter and H200.conversations == 147456  # the rest kept, H200 untouched
     assert with_scale_overrides(H200, ["cuda_graphs=false"]).cuda_graphs is False
     for bad, message in [
         ("conversation=1", "KEY one of"),
@@ -142,3 +142,21 @@ def test_ablations_are_planned_into_the_same_budget():
     spent = 2 * H200.drafter_startup_s + H200.proof_eval_s + H200.ablation_eval_s
     assert spent + with_ablations * (H200.drafter_step_s + H200.ablation_step_s) <= 500
     assert 50 < with_ablations < main_only
+
+
+def test_prompt_windows_overlap_by_their_stride():
+    from flashdraft.demo.pipeline import code_windows
+
+    class Chars:  # one token per character
+        def __call__(self, texts, add_special_tokens=False):
+            return {"input_ids": [[ord(c) for c in t] for t in texts]}
+
+        def batch_decode(self, windows):
+            return ["".join(map(chr, w)) for w in windows]
+
+    text = "abcdefghij"
+    back_to_back = code_windows([text], Chars(), 2, 2)
+    assert [w["prompt"] + "|" + w["response"] for w in back_to_back] == ["ab|cd", "ef|gh"]
+    overlapping = code_windows([text, "xyz"], Chars(), 2, 2, stride=3)
+    assert [w["prompt"] + "|" + w["response"] for w in overlapping] == ["ab|cd", "de|fg", "gh|ij"]
+    assert [w["text"] for w in overlapping] == [0, 0, 0]  # "xyz" is shorter than a window

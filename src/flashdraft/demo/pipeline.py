@@ -61,6 +61,9 @@ class Scale:
     # drafter's should be too: on memorised text a target continues with the file, on unseen text
     # with its own habits (repeats), which are what the drafter must learn. 0: the target's windows.
     prompt_tenths: int = 0
+    # the drafter's prompt windows start every this many tokens of their files (None: back to back);
+    # overlapping windows give more prompts from the same files
+    prompt_stride: int | None = None
 
 
 CPU = Scale(prompt_tenths=3)
@@ -76,8 +79,9 @@ H200 = Scale(
     response_tokens=128,
     # attempt 7's 65,534 were seen ~4 times: tau_train 7.91 vs served 4.96. With the grouped matmul
     # decoding attention attempt 9 regenerated 98,296 in 121 s (812/s, attempt 7: 596/s) and served
-    # 5.33 from ~2.6 passes (tau_train 7.11). Attempt 8's 131,072 on the older attention took 222 s
-    conversations=98304,
+    # 5.33 from ~2.6 passes (tau_train 7.11). Since, the next batch is encoded while one generates
+    # (a third of a batch's 7.0 s was host work, benchmarks/proof_stages.py): 1.5x the conversations
+    conversations=147456,
     regen_batch=8192,
     regen_cache="static",
     prepare_procs=8,
@@ -106,8 +110,9 @@ H200 = Scale(
     drafter_share=0.5,
     source_bytes=160_000_000,  # 64 MB train the target (attempt 7: 60 MB), 80 MB give the prompts
     # attempt 7 (4 in 10): served tau 4.96 against attempt 6's 3.24 on the target's own windows;
-    # attempt 9 (5 in 10): 4,172 prompt files for 98,296 conversations
+    # attempt 9 (5 in 10): 4,172 prompt files for 98,296 conversations, back-to-back windows
     prompt_tenths=5,
+    prompt_stride=96,  # half a window: twice the windows from the same files
 )
 
 
@@ -140,13 +145,15 @@ def split_files(files: list[Path], prompt_tenths: int) -> dict[str, list[Path]]:
     return split
 
 
-def code_windows(texts: list[str], tokenizer, prompt_tokens: int, response_tokens: int) -> list[dict]:
-    """Consecutive windows of each text: {prompt, response, ids, text} split at `prompt_tokens`,
-    `text` the index of the window's text."""
+def code_windows(
+    texts: list[str], tokenizer, prompt_tokens: int, response_tokens: int, stride: int | None = None
+) -> list[dict]:
+    """Windows of each text, one every `stride` tokens (default: back to back): {prompt, response, ids,
+    text} split at `prompt_tokens`, `text` the index of the window's text."""
     span = prompt_tokens + response_tokens
     windows, origin = [], []
     for t, ids in enumerate(tokenizer(texts, add_special_tokens=False)["input_ids"]):  # batched in Rust
-        starts = range(0, len(ids) - span + 1, span)
+        starts = range(0, len(ids) - span + 1, stride or span)
         windows += [ids[start : start + span] for start in starts]
         origin += [t] * len(starts)
     prompts = tokenizer.batch_decode([w[:prompt_tokens] for w in windows])
@@ -268,11 +275,12 @@ def prepare(out: Path, budget_s: float, scale: Scale, console: Console) -> Prepa
     if split["prompts"]:
         prompt_files = split["prompts"]
         texts = [f.read_text(errors="replace") for f in prompt_files]
-        pool = code_windows(texts, tokenizer, scale.prompt_tokens, scale.response_tokens)
+        span = scale.prompt_tokens, scale.response_tokens
+        pool = code_windows(texts, tokenizer, *span, stride=scale.prompt_stride)
     if len(pool) < scale.conversations:
         raise ValueError(
             f"{scale.conversations} conversations asked for, but the drafter's prompt files hold only "
-            f"{len(pool)} windows: raise source_bytes or lower conversations"
+            f"{len(pool)} windows: raise source_bytes, lower prompt_stride or lower conversations"
         )
     g = torch.Generator().manual_seed(1)
     picks = torch.randperm(len(pool), generator=g)[: scale.conversations].tolist()
