@@ -103,7 +103,7 @@ def test_drafter_overrides_change_the_config_and_the_plan_or_fail_by_name():
 def test_scale_overrides_change_plain_fields_or_fail_by_name():
     scale = with_scale_overrides(H200, ["conversations=131072", "regen_batch = 16384", "proof_eval_s=60"])
     assert (scale.conversations, scale.regen_batch, scale.proof_eval_s) == (131072, 16384, 60.0)
-    assert scale.drafter == H200.drafter and H200.conversations == 147456  # the rest kept, H200 untouched
+    assert scale.drafter == H200.drafter and H200.conversations == 98304  # the rest kept, H200 untouched
     assert with_scale_overrides(H200, ["cuda_graphs=false"]).cuda_graphs is False
     for bad, message in [
         ("conversation=1", "KEY one of"),

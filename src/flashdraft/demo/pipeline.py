@@ -79,9 +79,9 @@ H200 = Scale(
     response_tokens=128,
     # attempt 7's 65,534 were seen ~4 times: tau_train 7.91 vs served 4.96. With the grouped matmul
     # decoding attention attempt 9 regenerated 98,296 in 121 s (812/s, attempt 7: 596/s) and served
-    # 5.33 from ~2.6 passes (tau_train 7.11). Since, the next batch is encoded while one generates
-    # (a third of a batch's 7.0 s was host work, benchmarks/proof_stages.py): 1.5x the conversations
-    conversations=147456,
+    # 5.33 from ~2.6 passes (tau_train 7.11). Attempt 10's 147,445 (overlapping windows) cost 66 s
+    # more of data stages than attempt 9's: 1,718 steps, served 4.43. Data and steps share the budget
+    conversations=98304,
     regen_batch=8192,
     regen_cache="static",
     prepare_procs=8,
@@ -92,27 +92,29 @@ H200 = Scale(
         "data.rows_per_batch": 8,  # flashdraft bench: 359K context tokens/s against 254K at 4 rows
         "num_anchors": 256,
         "optim.lr": 1e-3,
+        # the probes on CUDA graphs, as the evals: 6.8 + 4.7 s against 36.9 + 15.6 s eagerly (session 8)
+        "eval_cuda_graphs": True,
     },
     preset="default",
     # attempt 7 (docs/results.md): median step 43 ms at 8 rows in `flashdraft train` (attempt 6: 26.2
     # ms at 4 rows); planned with 40 ms, it finished 8 s inside its budget
     drafter_step_s=0.043,
     proof_eval_s=75.0,  # attempt 6, graphs, 32 prompts: eval T = 0 21 s, reference 22 s, eval T = 1 26 s
-    drafter_startup_s=80.0,  # attempt 7: the drafter stage less its steps, i.e. start, compile, probes
-    # attempt 6 (4 rows): both ablations at once took 1.4x the main step; at 8 rows the GPU is busier,
-    # so planned at 2x (not yet measured)
+    # the drafter stage less its steps (start, compile, two probes): attempt 7 80 s with eager probes,
+    # session 8 59 s on a cold machine with the probes on CUDA graphs
+    drafter_startup_s=60.0,
+    # both ablations trained at once: 64 and 82 ms a step against the main drafter's 45 (session 8)
     ablation_step_s=0.086,
     ablation_eval_s=20.0,  # attempt 6: 13 s for both
     cuda_graphs=True,
     eval_prompts=32,  # attempt 5's 12 left the tau ratio's 95% interval at 1.10-1.99
-    probe_prompts=12,  # tau during training and the reference package: dynamic caches, no graphs
+    probe_prompts=12,  # tau during training (CUDA graphs) and the reference package (dynamic caches)
     target_share=0.14,  # compiled, 0.14 of 9.25 min trains more steps than attempt 5's eager 0.2 of 9
     drafter_share=0.5,
     source_bytes=160_000_000,  # 64 MB train the target (attempt 7: 60 MB), 80 MB give the prompts
     # attempt 7 (4 in 10): served tau 4.96 against attempt 6's 3.24 on the target's own windows;
     # attempt 9 (5 in 10): 4,172 prompt files for 98,296 conversations, back-to-back windows
     prompt_tenths=5,
-    prompt_stride=96,  # half a window: twice the windows from the same files
 )
 
 
