@@ -5,12 +5,14 @@ Reports the median time per call and the key/value bytes read per second (the ca
 call at best; an H200 streams ~4.3 TB/s), to show which kernel reads the grouped cache at bandwidth.
 
     python benchmarks/decode_attention.py --out runs/decode_attention [--batch 8192 --length 192]
+        [--cache-update]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import time
 from pathlib import Path
 
 import torch
@@ -27,11 +29,28 @@ def repeat_kv_sdpa(query, key, value, mask, scale):  # what transformers' compil
     )
 
 
+def with_cache_update(attend):
+    """The step as transformers' StaticCache runs it: the new token's key and value written into the
+    cache in place (index_copy_ at its position), then attention over the whole cache."""
+
+    def step(query, key_new, value_new, key, value, position, mask, scale):
+        key.index_copy_(2, position, key_new)
+        value.index_copy_(2, position, value_new)
+        return attend(query, key, value, mask, scale)
+
+    return step
+
+
 def median_ms(fn, args, reps: int) -> float:
     for _ in range(3):
         fn(*args)
     times = []
     for _ in range(reps):
+        if not torch.cuda.is_available():  # --device cpu: checks the script, times nothing that matters
+            t = time.perf_counter()
+            fn(*args)
+            times.append(1e3 * (time.perf_counter() - t))
+            continue
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         fn(*args)
@@ -52,11 +71,18 @@ def main() -> None:
     parser.add_argument("--kv-heads", type=int, default=4)
     parser.add_argument("--dim", type=int, default=64)
     parser.add_argument("--reps", type=int, default=50)
+    parser.add_argument("--device", default="cuda", help="cpu: a quick check of the script only")
+    parser.add_argument(
+        "--cache-update",
+        action="store_true",
+        help="also write the new token into the cache inside the compiled function, as a static cache does",
+    )
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
     b, s, d = args.batch, args.length, args.dim
-    dev, dt = "cuda", torch.bfloat16
+    dev = args.device
+    dt = torch.bfloat16 if dev == "cuda" else torch.float32
     q = torch.randn(b, args.heads, 1, d, device=dev, dtype=dt)
     k = torch.randn(b, args.kv_heads, s, d, device=dev, dtype=dt)
     v = torch.randn(b, args.kv_heads, s, d, device=dev, dtype=dt)
@@ -70,11 +96,20 @@ def main() -> None:
     rows = []
     for name, fn in {"repeat_kv_sdpa": repeat_kv_sdpa, **KERNELS}.items():
         row = {"kernel": name, "batch": b, "length": s}
+        inputs = (q, k, v, mask, scale)
+        if args.cache_update:  # the token written where the reference already holds it
+            fn, row["cache_update"] = with_cache_update(fn), True
+            k_static, v_static = k.clone(), v.clone()
+            for t in (k_static, v_static):
+                torch._dynamo.mark_static_address(t)  # as transformers marks its cache
+            at = torch.tensor([3 * s // 4 - 1], device=dev)
+            new_kv = (k[:, :, at], v[:, :, at])
+            inputs = (q, *new_kv, k_static, v_static, at, mask, scale)
         try:
             compiled = torch.compile(fn, dynamic=False)
-            out = compiled(q, k, v, mask, scale)
+            out = compiled(*inputs)
             row["max_abs_err"] = (out.float() - reference).abs().max().item()
-            row["ms"] = median_ms(compiled, (q, k, v, mask, scale), args.reps)
+            row["ms"] = median_ms(compiled, inputs, args.reps)
             row["kv_GB_s"] = kv_bytes / row["ms"] / 1e6
         except Exception as e:  # a kernel that does not compile is a result too
             row["error"] = f"{type(e).__name__}: {e}"[:300]

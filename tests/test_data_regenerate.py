@@ -324,7 +324,7 @@ def reference(model, tokenizer, messages: list[dict], max_new_tokens: int) -> Re
     return Regenerated(chained, cuts)
 
 
-@pytest.mark.parametrize("attention", ["grouped", "grouped_sdpa"])
+@pytest.mark.parametrize("attention", ["grouped", "grouped_sdpa", "grouped_matmul_t"])
 @pytest.mark.parametrize("cache", ["dynamic", "static"])
 def test_local_backend_batches_left_padded_greedy_turn_by_turn(tiny_target, cache, attention, monkeypatch):
     from transformers import Cache, StaticCache
@@ -348,7 +348,7 @@ def test_local_backend_batches_left_padded_greedy_turn_by_turn(tiny_target, cach
         parse_record(RawRecord("in", 1, json.dumps(r).encode()), require_answers=False) for r in records
     ]
     backend = LocalBackend(model, tokenizer, max_new_tokens=4, batch_size=2, cache=cache, attention=attention)
-    kernel = "sdpa" if attention == "grouped_sdpa" else "matmul"
+    kernel = attention.removeprefix("grouped").lstrip("_") or "matmul"
     assert model.config._attn_implementation == NAMES[kernel]  # decoding reads each key/value head once
     results = {conv.id: result for conv, result in backend.regenerate_each(conversations)}
     assert (StaticCache in caches) == (cache == "static") and caches

@@ -128,7 +128,7 @@ def regenerate(
     attention: str = typer.Option(
         "grouped",
         help="local: grouped (one query token's heads grouped under their key/value head; grouped_sdpa: "
-        "the same on SDPA), or "
+        "the same on SDPA; grouped_matmul_t: its products transposed), or "
         "a transformers attention implementation (sdpa, eager, flex_attention, ...), or model (as loaded)",
     ),
     chat_template: Path | None = typer.Option(None, help="local: Jinja chat template file"),

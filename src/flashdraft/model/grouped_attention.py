@@ -11,6 +11,7 @@ Here one query token's heads are laid out as (key/value head, group) rows, so ea
 once, and attend by one of two kernels:
 - "matmul" (the default): two batched matmuls around a float32 softmax, as transformers' eager
   attention computes it, left to the compiler;
+- "matmul_t": the same products transposed, the cache the left operand (for cuBLAS's kernel choice);
 - "sdpa": torch's SDPA, which picks cuDNN on a GPU.
 At the regeneration's shapes on an H200 (batch 8192, 4 key/value heads, 192 cached tokens,
 `benchmarks/decode_attention.py`) compiled matmul took 0.64 ms a call (2.5 TB/s of cache read), SDPA
@@ -25,7 +26,11 @@ import torch
 import torch.nn.functional as F
 
 # no "flash" in the names: transformers would look for a flash kernel
-NAMES = {"matmul": "grouped_decode_matmul", "sdpa": "grouped_decode_sdpa"}
+NAMES = {
+    "matmul": "grouped_decode_matmul",
+    "matmul_t": "grouped_decode_matmul_t",
+    "sdpa": "grouped_decode_sdpa",
+}
 
 
 def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -58,7 +63,22 @@ def attend_matmul(query, key, value, mask, scale):
     return out.reshape(query.shape[:3] + value.shape[-1:])
 
 
-KERNELS = {"matmul": attend_matmul, "sdpa": attend_sdpa}
+def attend_matmul_t(query, key, value, mask, scale):
+    """As attend_matmul, each product transposed so that the cache is the left operand: (S, D) x (D, G)
+    and (D, S) x (S, G) instead of (G, D) x (D, S) and (G, S) x (S, D), G the group of 3 query heads.
+    Inside the compiled decoding step at batch 8192 cuBLAS ran the first form's score product on a slow
+    sm75 WMMA kernel (1.10 ms a layer, docs/results.md); this form gives it other shapes to choose for."""
+    grouped = _by_group(query, key.shape[1])
+    scores = torch.matmul(key, grouped.transpose(-1, -2)).transpose(-1, -2).float()
+    scores = scores * (scale or query.shape[-1] ** -0.5)
+    if mask is not None:
+        scores = scores + _additive(mask, scores.dtype)
+    probs = scores.softmax(-1).to(value.dtype)
+    out = torch.matmul(value.transpose(-1, -2), probs.transpose(-1, -2)).transpose(-1, -2)
+    return out.reshape(query.shape[:3] + value.shape[-1:])
+
+
+KERNELS = {"matmul": attend_matmul, "matmul_t": attend_matmul_t, "sdpa": attend_sdpa}
 
 
 def _grouped(kernel: str):
