@@ -6,8 +6,8 @@ the same text; builds prompts from held-out files; has the target rewrite the re
 `data regenerate`'s local backend); trains a DFlash drafter (3 layers, 5 taps) with `flashdraft
 train`; measures tau with `flashdraft eval`'s engine at T = 0 and T = 1 against plain decoding and the
 n-gram baseline; exports the drafter and decodes it with the reference `dflash` package. With
---ablations it then trains the same drafter without target features and with 3 taps (as many steps,
-all inside the same budget, so fewer than without).
+--ablations it also trains the same drafter without target features and with 3 taps, at the same time
+as the main one (as many steps, all inside the same budget, so fewer than without).
 Prints one table; writes OUT/proof.json. See flashdraft.demo.proof.
 
     python scripts/real_target_proof.py --out runs/proof [--minutes 9] [--ablations]

@@ -103,7 +103,9 @@ H200 = Scale(
     # the drafter stage less its steps (start, compile, two probes): attempt 7 80 s with eager probes,
     # session 8 59 s on a cold machine with the probes on CUDA graphs
     drafter_startup_s=60.0,
-    # both ablations trained at once: 64 and 82 ms a step against the main drafter's 45 (session 8)
+    # what the two ablations add to a step when they train with the main drafter: the pair stepped
+    # in 64 and 82 ms trained at once, the main one alone in 45 (session 8); all three at once is
+    # planned as 43 + 86 ms, not yet measured
     ablation_step_s=0.086,
     ablation_eval_s=20.0,  # attempt 6: 13 s for both
     cuda_graphs=True,

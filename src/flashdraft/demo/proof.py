@@ -9,11 +9,12 @@ The main flow, inside the time budget:
 3. `compare_methods` (flashdraft eval) at T = 0: DFlash, n-gram and plain decoding on the held-out
    prompts; the drafter exported to the z-lab layout and decoded by the reference `dflash` package;
    the same comparison at T = 1.
-Then, with ablations=True: the same drafter tapping only the token embedding (no target features) and
-tapping 3 layers, trained together for as many steps as the main one, and their greedy tau. They are
-planned into the same time budget (fewer steps for all), so that one call on a lent machine measures
-them: a second call finds the machine cold, and the run directory gone, unless it comes within
-seconds of the first (session 7 lost one that way).
+With ablations=True: the same drafter tapping only the token embedding (no target features) and
+tapping 3 layers, trained at the same time as the main one (one start-up for all three, ~60 s on a
+cold H200) for as many steps, and their greedy tau. They are planned into the same time budget
+(fewer steps for all), so that one call on a lent machine measures them: a second call finds the
+machine cold, and the run directory gone, unless it comes within seconds of the first (session 7
+lost one that way).
 """
 
 from __future__ import annotations
@@ -230,12 +231,12 @@ def with_scale_overrides(scale: Scale, items: list[str]) -> Scale:
 
 def drafter_steps(remaining_s: float, scale: Scale, ablations: bool = False) -> int:
     """Steps that fit what is left of the budget once the drafter's start-up and the evals that
-    follow it are set aside, at the measured step time (at least 50). With ablations, their start-up,
-    evals and as many steps (trained together) come out of the same budget."""
+    follow it are set aside, at the measured step time (at least 50). With ablations, trained at the
+    same time as the main drafter, their evals and their share of each step come out of it too."""
     training_s = remaining_s - scale.proof_eval_s - scale.drafter_startup_s
     step_s = scale.drafter_step_s
     if ablations:
-        training_s -= scale.drafter_startup_s + scale.ablation_eval_s
+        training_s -= scale.ablation_eval_s
         step_s += scale.ablation_step_s
     return max(50, int(training_s / step_s))
 
@@ -250,8 +251,8 @@ def run_proof(
 ) -> dict:
     """Every stage in order; OUT/proof.json is rewritten after each. The main flow (target, data, main
     drafter, evals, reference package) and the ablations, when asked for, fit the time budget; they
-    come after it, each for as many steps as the main drafter (asked for only in a resumed run, they
-    come on top of the budget). resume=True keeps the stages an earlier (killed)
+    train at the same time as the main drafter, for as many steps (asked for only in a resumed run,
+    they train after it, on top of the budget). resume=True keeps the stages an earlier (killed)
     run of the same OUT finished and does the rest."""
     from flashdraft.eval.report import compare_methods, write_report
     from flashdraft.eval.spec import encode_prompt, eval_tau, mean_tau, read_prompts
@@ -295,6 +296,7 @@ def run_proof(
     target_dir = Path(summary["target_dir"])
     prompts = read_prompts(prompts_path)
 
+    ablation_names = [n for n in VARIANTS if n != "main"] if ablations else []
     if "main" not in summary.get("drafters", {}):
         # wall_s: what earlier stages took, in this call or in a killed one this call resumes
         remaining = budget - summary["wall_s"] - clock.since_start()
@@ -302,9 +304,10 @@ def run_proof(
         console.print(
             f"main drafter: {steps} steps ({remaining:.0f} s of the budget left, "
             f"{scale.proof_eval_s:.0f} s of it kept for the evals"
-            + (", the ablations as many steps after it)" if ablations else ")")
+            + (f"; the ablations {ablation_names} trained at the same time)" if ablations else ")")
         )
-        drafters = train_drafters(["main"], steps, summary, out, scale, prompts_path)
+        names = ["main", *ablation_names]
+        drafters = train_drafters(names, steps, summary, out, scale, prompts_path)
         clock.lap("drafters_s")
         save(drafter=dict(scale.drafter), drafter_steps=steps, drafters=drafters)
     main = summary["drafters"]["main"]
@@ -362,9 +365,9 @@ def run_proof(
     if "main_flow_s" not in summary:  # the figure the time budget is about
         save(main_flow_s=round(summary["wall_s"] + clock.since_start(), 1))
 
-    names = [n for n in VARIANTS if n != "main"] if ablations else []
+    names = ablation_names
     todo = [n for n in names if n not in summary["drafters"]]
-    if todo:
+    if todo:  # a resumed run that asks for ablations the first call did not
         steps = summary["drafter_steps"]
         console.print(f"ablations {todo}: {steps} steps each, as the main drafter, trained together")
         trained = train_drafters(todo, steps, summary, out, scale, prompts_path)
