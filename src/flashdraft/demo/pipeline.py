@@ -279,8 +279,9 @@ def prepare(out: Path, budget_s: float, scale: Scale, console: Console) -> Prepa
     if split["prompts"]:
         prompt_files = split["prompts"]
         texts = [f.read_text(errors="replace") for f in prompt_files]
-        span = scale.prompt_tokens, scale.response_tokens
-        pool = code_windows(texts, tokenizer, *span, stride=scale.prompt_stride)
+        pool = code_windows(
+            texts, tokenizer, scale.prompt_tokens, scale.response_tokens, stride=scale.prompt_stride
+        )
     if len(pool) < scale.conversations:
         raise ValueError(
             f"{scale.conversations} conversations asked for, but the drafter's prompt files hold only "

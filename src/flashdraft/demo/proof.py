@@ -365,15 +365,14 @@ def run_proof(
     if "main_flow_s" not in summary:  # the figure the time budget is about
         save(main_flow_s=round(summary["wall_s"] + clock.since_start(), 1))
 
-    names = ablation_names
-    todo = [n for n in names if n not in summary["drafters"]]
+    todo = [n for n in ablation_names if n not in summary["drafters"]]
     if todo:  # a resumed run that asks for ablations the first call did not
         steps = summary["drafter_steps"]
         console.print(f"ablations {todo}: {steps} steps each, as the main drafter, trained together")
         trained = train_drafters(todo, steps, summary, out, scale, prompts_path)
         clock.lap("ablation_drafters_s")
         save(drafters=summary["drafters"] | trained)
-    for name in names:
+    for name in ablation_names:
         d = summary["drafters"][name]
         if "tau" not in d:
             drafter = load_drafter(d["checkpoint"], scale.device, dtype=model.dtype).eval()

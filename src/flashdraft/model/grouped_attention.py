@@ -8,7 +8,7 @@ on the proof's target (12 query heads, 4 key/value heads) at batch 8192 on an H2
 and the attention 39% of the GPU time (`benchmarks/proof_stages.py --profile`, docs/results.md).
 
 Here one query token's heads are laid out as (key/value head, group) rows, so each cached head is read
-once, and attend by one of two kernels:
+once, and attend by one of three kernels:
 - "matmul" (the default): two batched matmuls around a float32 softmax, as transformers' eager
   attention computes it, left to the compiler;
 - "matmul_t": the same products transposed, the cache the left operand (for cuBLAS's kernel choice);
@@ -53,27 +53,28 @@ def attend_sdpa(query, key, value, mask, scale):
     return out.reshape(query.shape[:3] + value.shape[-1:])
 
 
-def attend_matmul(query, key, value, mask, scale):
-    """As attend_sdpa; the probabilities rounded to the value's dtype, as transformers' eager attention."""
-    scores = torch.matmul(_by_group(query, key.shape[1]), key.transpose(-1, -2)).float()
-    scores = scores * (scale or query.shape[-1] ** -0.5)
+def _probabilities(scores: torch.Tensor, mask, scale, dim: int, dtype: torch.dtype) -> torch.Tensor:
+    """Float32 softmax of scaled, masked scores, rounded to `dtype` as transformers' eager attention does."""
+    scores = scores.float() * (scale or dim**-0.5)
     if mask is not None:
         scores = scores + _additive(mask, scores.dtype)
-    out = torch.matmul(scores.softmax(-1).to(value.dtype), value)
+    return scores.softmax(-1).to(dtype)
+
+
+def attend_matmul(query, key, value, mask, scale):
+    """As attend_sdpa; the probabilities rounded to the value's dtype, as transformers' eager attention."""
+    scores = torch.matmul(_by_group(query, key.shape[1]), key.transpose(-1, -2))
+    out = torch.matmul(_probabilities(scores, mask, scale, query.shape[-1], value.dtype), value)
     return out.reshape(query.shape[:3] + value.shape[-1:])
 
 
 def attend_matmul_t(query, key, value, mask, scale):
     """As attend_matmul, each product transposed so that the cache is the left operand: (S, D) x (D, G)
     and (D, S) x (S, G) instead of (G, D) x (D, S) and (G, S) x (S, D), G the group of 3 query heads.
-    Inside the compiled decoding step at batch 8192 cuBLAS ran the first form's score product on a slow
-    sm75 WMMA kernel (1.10 ms a layer, docs/results.md); this form gives it other shapes to choose for."""
-    grouped = _by_group(query, key.shape[1])
-    scores = torch.matmul(key, grouped.transpose(-1, -2)).transpose(-1, -2).float()
-    scores = scores * (scale or query.shape[-1] ** -0.5)
-    if mask is not None:
-        scores = scores + _additive(mask, scores.dtype)
-    probs = scores.softmax(-1).to(value.dtype)
+    Inside the compiled decoding step at batch 8192 a slow sm75 WMMA bmm kernel took 1.10 ms a layer,
+    likely the first form's score product (docs/results.md); this form gives cuBLAS other shapes."""
+    scores = torch.matmul(key, _by_group(query, key.shape[1]).transpose(-1, -2)).transpose(-1, -2)
+    probs = _probabilities(scores, mask, scale, query.shape[-1], value.dtype)
     out = torch.matmul(value.transpose(-1, -2), probs.transpose(-1, -2)).transpose(-1, -2)
     return out.reshape(query.shape[:3] + value.shape[-1:])
 
