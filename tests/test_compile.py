@@ -68,6 +68,8 @@ def test_a_compiled_target_computes_the_eager_features_without_recompiling(
         assert all(hasattr(layer.forward, "_torchdynamo_orig_callable") for layer in layers)
         trainer.train_step_guarded()  # warm-up compiles the target layers too
         trainer.train_step_guarded()  # a recompile here would be an error
+        trainer.val_loader = trainer.stream.loader  # validation reuses the training graphs: no recompile
+        assert 1.0 <= trainer.validate()["val_tau_train"] <= 16.0
         batch = trainer.stream[0]
         eager = Target(load_target(tiny_target_dir)[0], trainer.target.layer_ids, truncate=True)
         torch.testing.assert_close(

@@ -208,6 +208,20 @@ def test_report_counts_acceptance_per_cycle_and_per_position():
     assert report["tau_ratio_dflash_over_ngram"] == {"ratio": 1.0, "ci95": [1.0, 1.0], "samples": 2}
 
 
+def test_speedups_come_from_unrounded_times():
+    # session 9: two methods 0.3 us apart per token at ~776 us reported equal speedups to 7 digits,
+    # because the speedup divided times already rounded to the microsecond
+    tokens = list(range(1001))
+    plain = [Generation(tokens=tokens, decode_s=1.869)]
+    dflash = [Generation(tokens=tokens, accept_lengths=[4], verify_sizes=[4], decode_s=0.7762)]
+    ngram = [Generation(tokens=tokens, accept_lengths=[2], verify_sizes=[4], decode_s=0.7759)]
+    results = {"autoregressive": plain, "dflash": dflash, "ngram": ngram}
+    report = build_report({"temperature": 0.0}, results, 4)
+    assert report["speedup"]["dflash"] == pytest.approx(1.869 / 0.7762, rel=1e-6)
+    assert report["speedup"]["ngram"] == pytest.approx(1.869 / 0.7759, rel=1e-6)
+    assert report["dflash"]["time_per_output_token_s"] == pytest.approx(0.7762e-3, rel=1e-5)
+
+
 def test_the_tau_ratio_interval_comes_from_resampling_prompts():
     from flashdraft.eval.report import tau_ratio
 

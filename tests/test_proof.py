@@ -28,6 +28,8 @@ def test_the_proof_runs_every_stage_and_the_reference_package_agrees(tmp_path):
     assert set(s["drafters"]) == set(VARIANTS)
     for name, d in s["drafters"].items():
         assert d["steps"] == s["drafter_steps"] >= 50 and 1.0 <= d["tau_train"] <= 16.0
+        # every drafter measured on the held-out conversations, the last time at its last step
+        assert d["val_during_training"][-1][0] == d["steps"] and 1.0 <= d["val_tau_train"] <= 16.0
         assert name == "main" or 1.0 <= d["tau"] <= 16.0
     # the drafter's prompts come from source files the target never trained on, the eval's from others
     sources = {k: set(v) for k, v in json.loads((tmp_path / "sources.json").read_text()).items()}
@@ -35,7 +37,17 @@ def test_the_proof_runs_every_stage_and_the_reference_package_agrees(tmp_path):
     assert not sources["prompts"] & sources["eval"]
     with open(tmp_path / "data" / "conversations.jsonl") as f:
         origins = {json.loads(line)["id"].rsplit("#", 1)[0] for line in f}
-    assert len(origins) > 1 and origins <= sources["prompts"]
+    assert len(origins) > 1 and origins <= sources["prompts"] | {f"val:{f}" for f in sources["eval"]}
+    # validation: windows of the eval's files, none of them an eval prompt, none of them trained on
+    lines = lambda path: [json.loads(x) for x in path.read_text().splitlines()]  # noqa: E731
+    val = lines(tmp_path / "val" / "regenerated.jsonl")
+    assert s["val_conversations"] == len(val) == SMOKE.val_conversations
+    assert {r["id"].split("#")[0][4:] for r in val} <= sources["eval"]
+    eval_prompts = {r["messages"][0]["content"] for r in lines(tmp_path / "eval" / "prompts.jsonl")}
+    assert not eval_prompts & {r["messages"][0]["content"] for r in val}
+    trained = [r["id"] for r in lines(tmp_path / "data" / "regenerated.rest.jsonl")]
+    assert len(trained) == s["conversations"] == SMOKE.conversations - SMOKE.val_conversations
+    assert not any(i.startswith("val:") for i in trained)
     ablation = Path(s["drafters"]["no_target_features"]["checkpoint"])
     config = json.loads((ablation / "config.json").read_text())
     assert config["dflash_config"]["target_layer_ids"] == [-1]

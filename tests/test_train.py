@@ -163,6 +163,59 @@ def test_train_command_writes_a_run_directory(tmp_path, tiny_target_dir, tiny_to
     assert list((run / "tb").iterdir())
 
 
+def _token_data(path, tokenizer, lengths, seed):
+    docs = random_docs(lengths, seed=seed, prompt_len=10)
+    for d in docs:  # keep ids inside the tiny tokenizer's vocabulary
+        d["input_ids"] = [i % len(tokenizer) for i in d["input_ids"]]
+    save_token_dataset(docs, path)
+    return path
+
+
+def test_validation_measures_held_out_data_and_trains_nothing(tmp_path, tiny_target_dir, tiny_tokenizer):
+    from flashdraft.config import resolve_config
+    from flashdraft.train.trainer import build_trainer
+
+    train = _token_data(tmp_path / "train", tiny_tokenizer, [70, 90, 120, 60, 100, 80] * 3, seed=3)
+    held = _token_data(tmp_path / "held", tiny_tokenizer, [80, 110, 60, 90] * 3, seed=4)
+
+    def trainer(val_data, out):
+        over = {"data.seq_len": 128, "data.rows_per_batch": 2, "num_anchors": 8, "log_every": 2}
+        cfg = resolve_config("tiny_cpu", None, max_steps=4, val_data=str(val_data), val_every=2, **over)
+        return build_trainer(cfg, str(tiny_target_dir), str(train), str(tmp_path / out), "cpu")
+
+    t = trainer(held, "run")
+    before = {k: v.clone() for k, v in t.drafter.state_dict().items()}
+    first, again = t.validate(), t.validate()
+    first.pop("val_s"), again.pop("val_s")
+    assert first == again  # the same batches and anchors every time
+    assert {"val_loss", "val_acc_slot1", "val_acc_per_slot", "val_tau_train"} <= set(first)
+    assert "val_grad_norm" not in first
+    assert all(torch.equal(v, before[k]) for k, v in t.drafter.state_dict().items())
+    assert all(p.grad is None for p in t.drafter.parameters()) and not t.optimizer.state
+    on_train = trainer(train, "run2").validate()  # same weights (same seed), other data
+    assert on_train["val_loss"] != first["val_loss"]
+
+    t.run()
+    lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in lines] == [2, 4]
+    assert all("val_loss" in m and 1.0 <= m["val_tau_train"] <= BLOCK for m in lines)
+    assert lines[-1]["val_loss"] != first["val_loss"]  # measured on the trained weights
+
+
+@pytest.mark.parametrize(
+    "over, message",
+    [
+        ({"val_every": 2}, "val_every needs val_data"),
+        ({"val_every": 2, "val_data": "v", "fsdp": True}, "val_every cannot be combined with fsdp"),
+    ],
+)
+def test_validation_options_are_checked(over, message):
+    from flashdraft.config import resolve_config
+
+    with pytest.raises(ValueError, match=message):
+        resolve_config("tiny_cpu", None, **over)
+
+
 def test_train_command_rejects_a_bad_config(tmp_path, tiny_target_dir):
     (tmp_path / "cfg.yaml").write_text("optim: {lr: -1}\n")
     result = CliRunner().invoke(

@@ -69,6 +69,13 @@ class TrainConfig(_Strict):
         description="tau during training on fixed-shape caches replayed as CUDA graphs, decoding a copy "
         "of the drafter in the target's dtype (as a served export): faster probes on a GPU",
     )
+    val_data: str | None = Field(
+        None,
+        description="a token dataset of held-out conversations (from `flashdraft data prepare`): loss, "
+        "accuracy and tau_train on it every val_every steps and at the last, beside the training batches'",
+    )
+    val_every: int | None = Field(None, ge=1, description="measure on val_data every N steps")
+    val_batches: int = Field(4, ge=1, description="micro-batches of val_data measured (its first ones)")
     max_bad_steps: int = Field(5, ge=1, description="stop after this many consecutive non-finite steps")
     wandb: bool = Field(False, description="also log to Weights & Biases (offline unless WANDB_MODE is set)")
     keep_last: int | None = Field(None, ge=1, description="keep only the newest K checkpoints")
@@ -98,6 +105,13 @@ class TrainConfig(_Strict):
             raise ValueError("data.seq_len must be at least drafter.block_size")
         if self.eval_every and not self.eval_prompts:
             raise ValueError("eval_every needs eval_prompts (a JSONL of held-out prompts)")
+        if self.val_every and not self.val_data:
+            raise ValueError("val_every needs val_data (a token dataset of held-out conversations)")
+        if self.val_every and self.fsdp:
+            raise ValueError(
+                "val_every cannot be combined with fsdp: validation runs the unwrapped drafter; drop "
+                "val_every and measure checkpoints instead"
+            )
         if self.eval_every and self.fsdp:
             raise ValueError(
                 "eval_every cannot be combined with fsdp: tau is measured on the main rank alone, and a "

@@ -43,6 +43,10 @@ def train(
     ),
     eval_prompts: Path | None = typer.Option(None, help="held-out prompts (JSONL) for tau during training"),
     eval_every: int | None = typer.Option(None, help="measure tau every N steps (needs --eval-prompts)"),
+    val_data: Path | None = typer.Option(
+        None, help="held-out token dataset (`data prepare`): loss, accuracy, tau_train on it"
+    ),
+    val_every: int | None = typer.Option(None, help="measure on --val-data every N steps (and at the end)"),
     wandb: bool = typer.Option(False, "--wandb", help="also log to Weights & Biases (offline by default)"),
     fsdp: bool = typer.Option(
         False, "--fsdp", help="shard the drafter over the drafter ranks (FSDP2) instead of replicating it"
@@ -83,6 +87,8 @@ def train(
             "fsdp": fsdp or None,
             "eval_every": eval_every,
             "eval_prompts": str(eval_prompts) if eval_prompts else None,
+            "val_every": val_every,
+            "val_data": str(val_data) if val_data else None,
         }
         cfg = resolve_config(preset, config, **over)
         trainer = build_trainer(

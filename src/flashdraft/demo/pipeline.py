@@ -64,6 +64,9 @@ class Scale:
     # the drafter's prompt windows start every this many tokens of their files (None: back to back);
     # overlapping windows give more prompts from the same files
     prompt_stride: int | None = None
+    # of `conversations`, this many are windows of the eval's files (not its prompts) that the drafter
+    # never trains on: loss, accuracy and tau_train measured on them during training (`val_data`)
+    val_conversations: int = 0
 
 
 CPU = Scale(prompt_tenths=3)
@@ -81,7 +84,8 @@ H200 = Scale(
     # decoding attention attempt 9 regenerated 98,296 in 121 s (812/s, attempt 7: 596/s) and served
     # 5.33 from ~2.6 passes (tau_train 7.11). Attempt 10's 147,445 (overlapping windows) cost 66 s
     # more of data stages than attempt 9's: 1,718 steps, served 4.43. Data and steps share the budget
-    conversations=98304,
+    conversations=98304,  # 12 batches of 8,192, of which 2,048 held out for validation
+    val_conversations=2048,
     regen_batch=8192,
     regen_cache="static",
     prepare_procs=8,
@@ -282,18 +286,35 @@ def prepare(out: Path, budget_s: float, scale: Scale, console: Console) -> Prepa
         pool = code_windows(
             texts, tokenizer, scale.prompt_tokens, scale.response_tokens, stride=scale.prompt_stride
         )
-    if len(pool) < scale.conversations:
+    n_train = scale.conversations - scale.val_conversations
+    if len(pool) < n_train:
         raise ValueError(
-            f"{scale.conversations} conversations asked for, but the drafter's prompt files hold only "
+            f"{n_train} conversations asked for, but the drafter's prompt files hold only "
             f"{len(pool)} windows: raise source_bytes, lower prompt_stride or lower conversations"
         )
+    eval_files = split["eval"]
+    held_texts = [f.read_text(errors="replace") for f in eval_files]
+    held = code_windows(held_texts, tokenizer, scale.prompt_tokens, scale.response_tokens)
+    every = max(1, len(held) // scale.eval_prompts)
+    eval_pairs = held[::every][: scale.eval_prompts]
+    val_pool = [i for i in range(len(held)) if not (i % every == 0 and i // every < scale.eval_prompts)]
+    if len(val_pool) < scale.val_conversations:
+        raise ValueError(
+            f"{scale.val_conversations} validation conversations asked for, but the eval's files hold "
+            f"only {len(val_pool)} windows besides its prompts: lower val_conversations"
+        )
     g = torch.Generator().manual_seed(1)
-    picks = torch.randperm(len(pool), generator=g)[: scale.conversations].tolist()
+    picks = torch.randperm(len(pool), generator=g)[:n_train].tolist()
+    val_picks = [val_pool[i] for i in torch.randperm(len(val_pool), generator=g)[: scale.val_conversations]]
     source = data_dir / "conversations.jsonl"
     with open(source, "w") as f:
         for i in picks:
             w = pool[i]
             record = {"id": f"{prompt_files[w['text']]}#{i}", "messages": chat(w["prompt"], w["response"])}
+            f.write(json.dumps(record) + "\n")
+        for i in val_picks:
+            w = held[i]
+            record = {"id": f"{VAL}{eval_files[w['text']]}#{i}", "messages": chat(w["prompt"], w["response"])}
             f.write(json.dumps(record) + "\n")
     clock.lap("prompts_s")  # the drafter's prompt files windowed, the conversations written
     regenerated = data_dir / "regenerated.jsonl"
@@ -315,13 +336,17 @@ def prepare(out: Path, budget_s: float, scale: Scale, console: Console) -> Prepa
         cache_dir=out / "cache",
         num_proc=scale.prepare_procs,
     )
+    val_dir = None
+    if scale.val_conversations:
+        val_dir = out / "val"
+        regenerated = split_off(regenerated, VAL, val_dir / "regenerated.jsonl")
+        val = prepare_dataset(str(val_dir / "regenerated.jsonl"), tokenizer, val_dir, options)
     stats = prepare_dataset(str(regenerated), tokenizer, data_dir, options)
     console.print(f"data: {stats['kept']} conversations, {stats['loss_tokens']} loss tokens -> {data_dir}")
+    if val_dir is not None:
+        console.print(f"validation: {val['kept']} conversations of the eval's files -> {val_dir}")
     clock.lap("prepare_s")
 
-    held_texts = [f.read_text(errors="replace") for f in split["eval"]]
-    eval_pairs = code_windows(held_texts, tokenizer, scale.prompt_tokens, scale.response_tokens)
-    eval_pairs = eval_pairs[:: max(1, len(eval_pairs) // scale.eval_prompts)][: scale.eval_prompts]
     summary = {
         "target_params": n_params,
         "target_steps": steps_target,
@@ -329,8 +354,22 @@ def prepare(out: Path, budget_s: float, scale: Scale, console: Console) -> Prepa
         "conversations": stats["kept"],
         "loss_tokens": stats["loss_tokens"],
         "seconds": clock.laps,
-    }
+    } | ({"val_dir": str(val_dir), "val_conversations": val["kept"]} if val_dir else {})
     return Prepared(target_dir, data_dir, [chat(p["prompt"]) for p in eval_pairs], summary)
+
+
+VAL = "val:"  # id prefix of the validation conversations, regenerated in the same batches as the rest
+
+
+def split_off(path: Path, prefix: str, to: Path) -> Path:
+    """Records of a JSONL file whose id starts with `prefix` go to `to`, the rest to PATH.rest.jsonl
+    (returned); the file itself is left as the regeneration wrote it."""
+    rest = path.with_suffix(".rest.jsonl")
+    to.parent.mkdir(parents=True, exist_ok=True)
+    with open(path) as f, open(rest, "w") as r, open(to, "w") as v:
+        for line in f:
+            (v if json.loads(line)["id"].startswith(prefix) else r).write(line)
+    return rest
 
 
 class StageClock:

@@ -8,6 +8,7 @@ micro-batches this rank trains on, and whether its features come from its own ta
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import math
@@ -140,8 +141,7 @@ class StepStats:
             "acc_mean": float(self.correct[1:].sum() / self.counted[1:].sum().clamp(min=1)),
             "acc_per_slot": [round(float(a), 4) for a in acc],
             "tau_train": float(self.accepted / self.blocks.clamp(min=1)),
-            "grad_norm": float(self.grad_norm),
-        }
+        } | ({"grad_norm": float(self.grad_norm)} if self.grad_norm is not None else {})
 
 
 @dataclass
@@ -241,8 +241,21 @@ def build_trainer(
     drafter = build_drafter(cfg, model, tokenizer, topo.device)
     if cfg.eval_every and topo.layout.kind == "split":
         raise ValueError("eval_every needs the whole target on the drafter rank: use the colocated layout")
+    val = None
+    if cfg.val_data:
+        if topo.layout.kind == "split":
+            raise ValueError("val_data needs the target on the drafter ranks: use the colocated layout")
+        val = PackedLoader(
+            load_token_dataset(cfg.val_data), cfg.data.seq_len, cfg.data.rows_per_batch, pad, cfg.seed
+        )
+        if val.batches_in_epoch(0) == 0:
+            raise ValueError(
+                f"val_data {cfg.val_data}: too little for one micro-batch of "
+                f"{cfg.data.rows_per_batch} x {cfg.data.seq_len} tokens"
+            )
     meta = {"target": str(target_path)}
     trainer = Trainer(cfg, model, drafter, stream, total_steps, topo, out_dir, meta, resume)
+    trainer.val_loader = val
     if s3_url and topo.is_main:
         from flashdraft.run.s3 import S3Mirror
 
@@ -329,7 +342,8 @@ class Trainer:
         self.skipped = torch.zeros((), dtype=torch.long, device=self.device)
         self.mirror = None
         self.tau_probe = None  # (tokenizer, prompts) on the main rank when eval_every is set
-        self.pending_tau: dict = {}
+        self.pending: dict = {}  # measured at a step, logged with that step's (or the next) line
+        self.val_loader: PackedLoader | None = None  # held-out conversations (cfg.val_data)
         self.last_metrics: dict = {}
         self.artifacts_loaded = False
         self.remote = None
@@ -499,7 +513,11 @@ class Trainer:
             if step == 1:
                 first = float(self._all_reduce(stats.loss_sum.clone()) / stats.weight_sum)
             if self.tau_probe is not None and (step % cfg.eval_every == 0 or step == self.total_steps):
-                self.pending_tau = self.measure_tau()
+                self.pending |= self.measure_tau()
+            if self.val_loader is not None and (
+                (cfg.val_every and step % cfg.val_every == 0) or step == self.total_steps
+            ):
+                self.pending |= self.validate()
             if step % cfg.log_every == 0 or step == self.total_steps:
                 m = self._metrics(stats, window)
                 last = m["loss"]
@@ -546,8 +564,8 @@ class Trainer:
         if self.remote is not None:
             m["drafter_busy"] = 1 - self.topo.drafter_max(self.remote.wait_s - window.wait_s) / elapsed
             m["target_busy"] = self.remote.target_busy
-        m.update(self.pending_tau)
-        self.pending_tau = {}
+        m.update(self.pending)
+        self.pending = {}
         self.last_metrics = m
         return m
 
@@ -569,6 +587,48 @@ class Trainer:
                 f"were skipped; stopped. The last good weights are saved in {path}. Lower optim.lr or "
                 "check the data."
             )
+
+    def validate(self) -> dict:
+        """The training metrics on held-out conversations, with `val_` names: the first `val_batches`
+        micro-batches of val_data, with the same anchors every time, split over the drafter ranks.
+
+        tau_train on training batches rises as the drafter memorises data it sees again; on data it
+        never trains on it is what the drafter has learned. The forward runs with gradients enabled
+        (and no backward) so that compiled layers reuse the training graph: no_grad would compile
+        another, and a recompile here is an error, as in the training steps."""
+        t0 = time.perf_counter()
+        cfg, loader = self.cfg, self.val_loader
+        stats = StepStats.zeros(self.drafter.block_size, self.device)
+        weight_sum = torch.zeros((), device=self.device)
+        count = min(cfg.val_batches, loader.batches_in_epoch(0))
+        guard = recompiles_are_errors() if self.compile_report is not None else contextlib.nullcontext()
+        with guard:
+            for k in range(self.topo.drafter_rank, count, self.topo.num_drafters):
+                cpu = loader.batch(0, k)
+                batch = cpu.to(self.device)
+                feats = target_features(self.target, batch, cpu.plain_causal)
+                mb = plan_micro_batch(
+                    batch,
+                    cfg.num_anchors,
+                    self.drafter.block_size,
+                    self.drafter.mask_token_id,
+                    self.gamma,
+                    row_generators(cfg.seed, k, batch.input_ids.shape[0]),
+                    features=feats,
+                    per_document=cfg.anchors_per_document,
+                )
+                with self._autocast():
+                    out = micro_step_loss(
+                        self.drafter, self.target, mb, self.attention, self.compiled,
+                        recompute_logits=cfg.recompute_logits,
+                    )  # fmt: skip
+                stats.add(out, mb)
+                weight_sum += mb.blocks.weights.sum()
+                del out
+        self._reduce_stats(stats)
+        stats.weight_sum = self._all_reduce(weight_sum).clamp(min=1e-6)
+        m = {f"val_{k}": v for k, v in stats.to_metrics().items()}
+        return m | {"val_s": time.perf_counter() - t0}
 
     def measure_tau(self) -> dict:
         """Greedy speculative decoding against the running target on held-out prompts: the serving
