@@ -28,7 +28,8 @@ from flashdraft.eval.spec import (
 from flashdraft.model.checkpoint import write_zlab
 from flashdraft.model.drafter import DFlashDrafter, drafter_config
 from flashdraft.model.target import Target
-from flashdraft.train.step import micro_step_loss, plan_micro_batch
+from flashdraft.train.blocks import walk_lengths
+from flashdraft.train.step import acceptance_map, micro_step_loss, plan_micro_batch, target_features
 from flashdraft.train.trainer import init_drafter_
 from helpers import BLOCK, GAMMA, MASK_ID, VOCAB, tiny_drafter, tiny_target
 
@@ -89,6 +90,31 @@ def test_greedy_speculative_output_is_the_targets_greedy_output(kind):
         accepted_drafts += sum(a - 1 for a in spec.accept_lengths)
     if kind != "untrained":  # the accepting path ran, not only the rejecting one
         assert accepted_drafts > NEW_TOKENS
+
+
+def test_training_blocks_at_the_cycles_of_decoding_accept_what_decoding_accepted():
+    """What training computes is what serving computes: on a greedily decoded answer, teacher-forced
+    blocks (one target forward over the whole sequence, training's block form) walked from the answer's
+    first token give every cycle's acceptance length, as validation's val_tau_walk reads them."""
+    s = tiny_setup()
+    cycles = 0
+    for p in s.prompts:
+        spec = generate(s.target, torch.tensor([p]), NEW_TOKENS, DFlashProposer(s.trained, s.target), BLOCK)
+        doc = {"input_ids": p + spec.tokens, "loss_mask": [0] * len(p) + [1] * len(spec.tokens)}
+        batch = collate_rows([[doc]], len(doc["input_ids"]), pad_token_id=0)
+        with torch.no_grad():
+            accepted = acceptance_map(
+                s.trained, s.target, batch, target_features(s.target, batch), 8, GAMMA, "dense"
+            )
+        [walk] = walk_lengths(accepted, batch.loss_mask, batch.doc_ids)
+        # the walk stops where a whole block no longer fits, where decoding shrinks its blocks; decoding's
+        # last cycle also stops at the token budget
+        last = len(spec.accept_lengths) - 1
+        assert walk[:last] == spec.accept_lengths[: min(len(walk), last)]
+        assert len(walk) <= last or walk[last] >= spec.accept_lengths[last]
+        assert len(p) + sum(walk) > len(doc["input_ids"]) - BLOCK
+        cycles += len(walk)
+    assert cycles < len(s.prompts) * NEW_TOKENS / 3  # the drafter was accepted: long cycles were compared
 
 
 def test_trained_drafter_is_accepted_and_untrained_is_not():

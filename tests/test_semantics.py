@@ -12,11 +12,13 @@ from flashdraft.train.blocks import (
     anchor_candidates,
     default_gamma,
     dense_visibility,
+    every_anchor,
     flex_mask_mod,
     make_blocks,
     sample_anchors,
     slot_weights,
     structured_block_mask,
+    walk_lengths,
 )
 from helpers import BLOCK, GAMMA, MASK_ID, packed_batch
 
@@ -54,6 +56,30 @@ def test_anchors_are_sorted_distinct_candidates_with_padding_blocks():
         assert not anchors.valid[r, len(idx) :].any()  # the rest are padding blocks
     # row 1 has one 20-token doc: loss positions 4..19, anchors need a + 7 <= 19 -> 4..12
     assert int(cand[1].sum()) == 9
+
+
+def test_every_anchor_visits_each_candidate_once_in_fixed_size_passes():
+    batch = packed_batch([[30, 40], [20]], seq_len=96)
+    cand = anchor_candidates(batch.loss_mask, batch.doc_ids, BLOCK)
+    passes = every_anchor(batch.loss_mask, batch.doc_ids, BLOCK, 16)
+    assert len(passes) == -(-int(cand.sum(1).max()) // 16) > 1
+    for r in range(2):
+        seen = torch.cat([p.index[r][p.valid[r]] for p in passes])
+        assert seen.tolist() == torch.nonzero(cand[r]).flatten().tolist()  # each once, in order
+    for p in passes:
+        assert p.index.shape == (2, 16)  # the compiled step's shape
+        for r in range(2):  # valid anchors first, padding after, as sample_anchors lays them out
+            v = p.valid[r]
+            assert not (~v[:-1] & v[1:]).any() and not p.index[r][~v].any()
+
+
+def test_the_walk_anchors_each_block_where_the_last_acceptance_ended():
+    loss_mask = torch.tensor([[0, 0, 1, 1, 1, 1, 1, 1, 1, 0, 0, 1, 1, 1]])
+    doc_ids = torch.tensor([[0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, -1]])
+    accepted = torch.tensor([[0, 0, 3, 9, 9, 2, 9, 1, 0, 0, 0, 4, 9, 0]])
+    # document 0: answer from 2; cycles at 2 (3), 5 (2), 7 (1), then 8 has no block: the walk ends
+    # document 1: answer from 11; 4 reaches past the document, so one cycle
+    assert walk_lengths(accepted, loss_mask, doc_ids) == [[3, 2, 1], [4]]
 
 
 def test_anchors_resample_with_the_generator():

@@ -189,7 +189,8 @@ def test_validation_measures_held_out_data_and_trains_nothing(tmp_path, tiny_tar
     first.pop("val_s"), again.pop("val_s")
     assert first == again  # the same batches and anchors every time
     assert {"val_loss", "val_acc_slot1", "val_acc_per_slot", "val_tau_train"} <= set(first)
-    assert "val_grad_norm" not in first
+    assert "val_grad_norm" not in first and first["val_docs"] > 0
+    assert 1.0 <= first["val_tau_walk"] <= BLOCK
     assert all(torch.equal(v, before[k]) for k, v in t.drafter.state_dict().items())
     assert all(p.grad is None for p in t.drafter.parameters()) and not t.optimizer.state
     on_train = trainer(train, "run2").validate()  # same weights (same seed), other data

@@ -90,7 +90,7 @@ def start_drafter(
     val_dir: Path | None = None,
 ) -> DrafterRun:
     """`flashdraft train` in a subprocess; with `prompts`, tau on the first scale.probe_prompts of them
-    halfway and at the end; with `val_dir`, the training metrics on its conversations ~10 times."""
+    halfway and at the end; with `val_dir`, the training metrics on its conversations 5 times."""
     run_dir = out / "runs" / name
     run_dir.parent.mkdir(parents=True, exist_ok=True)
     log_every = 25
@@ -102,8 +102,9 @@ def start_drafter(
         config |= {"eval_num_prompts": scale.probe_prompts, "eval_max_new_tokens": scale.response_tokens}
         every = log_every * max(1, -(-steps // (2 * log_every)))  # halfway; the last step probes anyway
         cmd += ["--eval-prompts", str(prompts), "--eval-every", str(every)]
-    if val_dir is not None:
-        every = log_every * max(1, -(-steps // (10 * log_every)))
+    if val_dir is not None:  # 5 times; 8 micro-batches a time: ~600 conversations at the H200 scale
+        config["val_batches"] = 8
+        every = log_every * max(1, -(-steps // (5 * log_every)))
         cmd += ["--val-data", str(val_dir), "--val-every", str(every)]
     config_path = out / "runs" / f"{name}.yaml"
     nested: dict = {}
@@ -128,34 +129,25 @@ def finish_drafter(run: DrafterRun) -> dict:
     lines = [json.loads(x) for x in (run.run_dir / "metrics.jsonl").read_text().splitlines()]
     last = lines[-1]
     tail = lines[-4:]
-    taus = [[m["step"], m["tau"]] for m in lines if "tau" in m]
-    vals = [m for m in lines if "val_loss" in m]
-    return (
-        {
-            "checkpoint": str(latest_checkpoint(run.run_dir / "checkpoints")),
-            "steps": last["step"],
-            "first_loss": lines[0]["loss"],
-            "final_loss": last["loss"],
-            "acc_slot1": last["acc_slot1"],
-            # acceptance on training batches: the last 4 logged steps
-            "tau_train": sum(m["tau_train"] for m in tail) / len(tail),
-            # the median logged interval: the last one also holds the final tau probe
-            "ctx_tok_s": statistics.median(m["ctx_tok_s"] for m in lines),
-        }
-        | ({"tau_during_training": taus} if taus else {})
-        | (
-            {
-                # the same metrics on held-out conversations: [step, loss, slot-1 accuracy, tau_train]
-                "val_during_training": [
-                    [m["step"], m["val_loss"], m["val_acc_slot1"], m["val_tau_train"]] for m in vals
-                ],
-                "val_tau_train": vals[-1]["val_tau_train"],
-                "val_loss": vals[-1]["val_loss"],
-            }
-            if vals
-            else {}
-        )
-    )
+    result = {
+        "checkpoint": str(latest_checkpoint(run.run_dir / "checkpoints")),
+        "steps": last["step"],
+        "first_loss": lines[0]["loss"],
+        "final_loss": last["loss"],
+        "acc_slot1": last["acc_slot1"],
+        # acceptance on training batches: the last 4 logged steps
+        "tau_train": sum(m["tau_train"] for m in tail) / len(tail),
+        # the median logged interval: the last one also holds the final tau probe
+        "ctx_tok_s": statistics.median(m["ctx_tok_s"] for m in lines),
+    }
+    if taus := [[m["step"], m["tau"]] for m in lines if "tau" in m]:
+        result["tau_during_training"] = taus
+    if vals := [m for m in lines if "val_loss" in m]:
+        # the same metrics on held-out conversations, and the served tau read off them
+        keys = ("val_loss", "val_acc_slot1", "val_tau_train", "val_tau_walk")
+        result["val_during_training"] = [[m["step"], *(m[k] for k in keys)] for m in vals]
+        result |= {k: vals[-1][k] for k in (*keys, "val_acc_per_slot", "val_docs")}
+    return result
 
 
 def reference_tau(
@@ -411,7 +403,8 @@ def print_proof(s: dict, console: Console) -> None:
     table = Table(
         title=f"proof: {s['target_params'] / 1e6:.1f}M target (loss {s['target_loss']:.2f}), {s['device']}"
     )
-    columns = ("drafter", "steps", "loss", "tau_train", "val tau_train", "tau T=0", "tau T=1", "speedup T=0")
+    columns = ("drafter", "steps", "loss", "tau_train", "val tau_train", "val walk", "tau T=0", "tau T=1")
+    columns += ("speedup T=0",)
     for col in columns:
         table.add_column(col, justify="left" if col == "drafter" else "right")
     for name, d in s["drafters"].items():
@@ -422,6 +415,7 @@ def print_proof(s: dict, console: Console) -> None:
             f"{d['final_loss']:.3f}",
             f"{d['tau_train']:.2f}",
             f"{d['val_tau_train']:.2f}" if "val_tau_train" in d else "-",
+            f"{d['val_tau_walk']:.2f}" if "val_tau_walk" in d else "-",
             f"{(s['tau_T0'] if main else d['tau']):.2f}",
             f"{s['tau_T1']:.2f}" if main else "-",
             f"{s['speedup_T0']['dflash']:.2f}x" if main else "-",
@@ -432,12 +426,14 @@ def print_proof(s: dict, console: Console) -> None:
         "-",
         "-",
         "-",
+        "-",
         f"{s['tau_ngram_T0']:.2f}",
         f"{s['tau_ngram_T1']:.2f}",
         f"{s['speedup_T0']['ngram']:.2f}x",
     )
     if s.get("reference"):
-        table.add_row("main via dflash 0.1.0", "-", "-", "-", "-", f"{s['reference']['tau']:.2f}", "-", "-")
+        ref = f"{s['reference']['tau']:.2f}"
+        table.add_row("main via dflash 0.1.0", "-", "-", "-", "-", "-", ref, "-", "-")
     console.print(table)
     for t in ("T0", "T1"):
         r = s.get(f"tau_ratio_{t}")
@@ -455,9 +451,13 @@ def print_proof(s: dict, console: Console) -> None:
         )
     held = s["drafters"]["main"]
     if held.get("val_during_training"):
-        (s0, _, _, v0), (s1, loss, _, v1) = held["val_during_training"][0], held["val_during_training"][-1]
+        (s0, _, _, v0, w0), (s1, loss, _, v1, w1) = (
+            held["val_during_training"][0],
+            held["val_during_training"][-1],
+        )
         console.print(
-            f"tau_train on {s['val_conversations']} held-out conversations: {v0:.2f} at step {s0}, "
-            f"{v1:.2f} at {s1} (loss {loss:.3f}); on the training batches {held['tau_train']:.2f}"
+            f"held-out conversations ({held['val_docs']} measured): tau_train {v0:.2f} at step {s0}, "
+            f"{v1:.2f} at {s1} (loss {loss:.3f}; training batches {held['tau_train']:.2f}); walked as "
+            f"decoding walks them {w0:.2f} -> {w1:.2f}"
         )
     console.print(f"stage seconds: {s['seconds']}; total {s['wall_s']:.0f} s")

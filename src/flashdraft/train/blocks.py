@@ -91,6 +91,53 @@ def sample_anchors(
     return Anchors(idx, valid)
 
 
+def every_anchor(
+    loss_mask: torch.Tensor, doc_ids: torch.Tensor, block_size: int, num_anchors: int
+) -> list[Anchors]:
+    """Every anchor candidate of every row, in passes of `num_anchors` per row (the fixed shape a
+    compiled training step has), each pass laid out as `sample_anchors` lays its anchors out."""
+    cand = anchor_candidates(loss_mask, doc_ids, block_size)
+    b, s = cand.shape
+    positions = torch.arange(s, device=cand.device).expand(b, s)
+    idx = positions.masked_fill(~cand, s).sort(dim=1).values  # candidates first, in order
+    passes = max(1, -(-int(cand.sum(1).max()) // num_anchors))
+    idx = (
+        torch.cat([idx, idx.new_full((b, passes * num_anchors - s), s)], 1)
+        if passes * num_anchors > s
+        else idx
+    )
+    out = []
+    for k in range(passes):
+        chunk = idx[:, k * num_anchors : (k + 1) * num_anchors]
+        valid = chunk < s
+        out.append(Anchors(chunk.masked_fill(~valid, 0), valid))
+    return out
+
+
+def walk_lengths(accepted: torch.Tensor, loss_mask: torch.Tensor, doc_ids: torch.Tensor) -> list[list[int]]:
+    """The acceptance lengths greedy speculative decoding would see, read off teacher-forced blocks.
+
+    accepted [b, S]: the acceptance length of the block anchored at each position (0 where none was
+    measured). Decoding a document's answer anchors its first block at the answer's first token and
+    each next block where the last one's acceptance ended, so it visits the hard spots more often than
+    anchors spread evenly do: tau over these cycles is the served tau, tau over all anchors is higher.
+    The walk ends where blocks stop fitting in the document (its last B - 1 tokens). One list per
+    document with an answer (its first assistant turn), on the host."""
+    accepted, loss_mask, doc_ids = (t.cpu() for t in (accepted, loss_mask, doc_ids))
+    walks = []
+    for r in range(accepted.shape[0]):
+        answer = (loss_mask[r] > 0) & (doc_ids[r] >= 0)
+        for d in doc_ids[r][answer].unique().tolist():
+            p = int(torch.nonzero(answer & (doc_ids[r] == d))[0])
+            lengths = []
+            while p < accepted.shape[1] and doc_ids[r, p] == d and accepted[r, p] > 0:
+                lengths.append(int(accepted[r, p]))
+                p += lengths[-1]
+            if lengths:
+                walks.append(lengths)
+    return walks
+
+
 def _rank_in_document(scores: torch.Tensor, doc_ids: torch.Tensor) -> torch.Tensor:
     """[b, S]: how many positions of the same document have a lower score (0 = the document's best)."""
     order = scores.argsort(dim=1)

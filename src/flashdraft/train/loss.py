@@ -21,6 +21,7 @@ class BlockLoss:
     counted: torch.Tensor  # [B] label positions per slot
     accepted: torch.Tensor  # sum over blocks of 1 + the run of correct slots from slot 1 on
     blocks: torch.Tensor  # blocks with at least one weighted label
+    per_block: torch.Tensor | None = None  # [b * n] each block's acceptance length, 0 for an empty block
 
     @property
     def tau(self) -> torch.Tensor:
@@ -71,4 +72,5 @@ def block_loss(
     hits = hits.view(b * n, bs - 1)
     accepted = (1 + hits.cumprod(1).sum(1)).float()
     live = (w.view(b * n, bs - 1) > 0).any(1)
-    return BlockLoss(total, correct, counted, (accepted * live).sum(), live.sum().float())
+    per_block = accepted * live
+    return BlockLoss(total, correct, counted, per_block.sum(), live.sum().float(), per_block)

@@ -13,6 +13,7 @@ from flashdraft.train.blocks import (
     Anchors,
     Blocks,
     dense_visibility,
+    every_anchor,
     flex_block_mask,
     make_blocks,
     packed_causal_mask,
@@ -41,10 +42,47 @@ def plan_micro_batch(
     per_document: int | None = None,
 ) -> MicroBatch:
     anchors = sample_anchors(batch.loss_mask, batch.doc_ids, block_size, num_anchors, generator, per_document)
+    return micro_batch_at(batch, anchors, block_size, mask_token_id, gamma, features)
+
+
+def micro_batch_at(
+    batch: PackedBatch,
+    anchors: Anchors,
+    block_size: int,
+    mask_token_id: int,
+    gamma: float,
+    features: torch.Tensor | None = None,
+) -> MicroBatch:
     blocks = make_blocks(
         batch.input_ids, batch.loss_mask, batch.position_ids, anchors, block_size, mask_token_id, gamma
     )
     return MicroBatch(batch, anchors, blocks, features)
+
+
+def acceptance_map(
+    drafter: DFlashDrafter,
+    target: Target,
+    batch: PackedBatch,
+    features: torch.Tensor,
+    num_anchors: int,
+    gamma: float,
+    attention: str = "flex",
+    compiled: bool = False,
+    recompute_logits: bool = True,
+    on_pass=None,
+) -> torch.Tensor:
+    """[b, S]: the acceptance length of a block anchored at every anchor candidate (0 elsewhere), in
+    passes of `num_anchors` blocks per row; `on_pass(mb, out)` sees each pass's micro-batch and loss."""
+    b, s = batch.input_ids.shape
+    accepted = torch.zeros(b, s, device=batch.input_ids.device)
+    for anchors in every_anchor(batch.loss_mask, batch.doc_ids, drafter.block_size, num_anchors):
+        mb = micro_batch_at(batch, anchors, drafter.block_size, drafter.mask_token_id, gamma, features)
+        out = micro_step_loss(drafter, target, mb, attention, compiled, recompute_logits=recompute_logits)
+        # padding anchors sit at index 0 with length 0: adding them changes nothing
+        accepted.scatter_add_(1, anchors.index, out.per_block.view(b, -1) * anchors.valid)
+        if on_pass is not None:
+            on_pass(mb, out)
+    return accepted
 
 
 def visibility_for(mb: MicroBatch, block_size: int, attention: str, compiled: bool) -> Visibility:

@@ -34,7 +34,7 @@ from flashdraft.model.checkpoint import (
 from flashdraft.model.drafter import DFlashDrafter, drafter_config
 from flashdraft.model.target import Target, load_target
 from flashdraft.run.fingerprint import ENV_FILE, fingerprint
-from flashdraft.train.blocks import default_gamma, row_generators
+from flashdraft.train.blocks import default_gamma, row_generators, walk_lengths
 from flashdraft.train.compile import (
     ARTIFACTS,
     artifacts_writer,
@@ -47,7 +47,7 @@ from flashdraft.train.compile import (
 from flashdraft.train.flops import matmul_tflops, step_flops
 from flashdraft.train.metrics import MetricsLogger
 from flashdraft.train.state import load_trainer_state, trainer_state_writer
-from flashdraft.train.step import micro_step_loss, plan_micro_batch, target_features
+from flashdraft.train.step import acceptance_map, micro_step_loss, plan_micro_batch, target_features
 from flashdraft.train.timing import NULL_TIMER, PhaseTimer
 
 
@@ -589,17 +589,26 @@ class Trainer:
             )
 
     def validate(self) -> dict:
-        """The training metrics on held-out conversations, with `val_` names: the first `val_batches`
-        micro-batches of val_data, with the same anchors every time, split over the drafter ranks.
+        """The training metrics on held-out conversations, with `val_` names, and the served tau read
+        off them: the first `val_batches` micro-batches of val_data, split over the drafter ranks, with
+        a block at every anchor candidate (in passes of num_anchors per row).
 
-        tau_train on training batches rises as the drafter memorises data it sees again; on data it
-        never trains on it is what the drafter has learned. The forward runs with gradients enabled
-        (and no backward) so that compiled layers reuse the training graph: no_grad would compile
-        another, and a recompile here is an error, as in the training steps."""
+        tau_train over all anchors counts easy and hard spots alike; decoding revisits the hard ones, so
+        `val_tau_walk` walks each answer from its first token as decoding would (`walk_lengths`): the
+        figure to set against the served tau. The forward runs with gradients enabled (and no
+        backward) so that compiled layers reuse the training graph: no_grad would compile another,
+        and a recompile here is an error, as in the training steps."""
         t0 = time.perf_counter()
         cfg, loader = self.cfg, self.val_loader
         stats = StepStats.zeros(self.drafter.block_size, self.device)
         weight_sum = torch.zeros((), device=self.device)
+        walks: list[list[int]] = []
+
+        def add(mb, out) -> None:
+            nonlocal weight_sum
+            stats.add(out, mb)
+            weight_sum = weight_sum + mb.blocks.weights.sum()
+
         count = min(cfg.val_batches, loader.batches_in_epoch(0))
         guard = recompiles_are_errors() if self.compile_report is not None else contextlib.nullcontext()
         with guard:
@@ -607,28 +616,22 @@ class Trainer:
                 cpu = loader.batch(0, k)
                 batch = cpu.to(self.device)
                 feats = target_features(self.target, batch, cpu.plain_causal)
-                mb = plan_micro_batch(
-                    batch,
-                    cfg.num_anchors,
-                    self.drafter.block_size,
-                    self.drafter.mask_token_id,
-                    self.gamma,
-                    row_generators(cfg.seed, k, batch.input_ids.shape[0]),
-                    features=feats,
-                    per_document=cfg.anchors_per_document,
-                )
                 with self._autocast():
-                    out = micro_step_loss(
-                        self.drafter, self.target, mb, self.attention, self.compiled,
-                        recompute_logits=cfg.recompute_logits,
+                    accepted = acceptance_map(
+                        self.drafter, self.target, batch, feats, cfg.num_anchors, self.gamma,
+                        self.attention, self.compiled, cfg.recompute_logits, on_pass=add,
                     )  # fmt: skip
-                stats.add(out, mb)
-                weight_sum += mb.blocks.weights.sum()
-                del out
+                walks += walk_lengths(accepted, cpu.loss_mask, cpu.doc_ids)
         self._reduce_stats(stats)
         stats.weight_sum = self._all_reduce(weight_sum).clamp(min=1e-6)
+        taus = torch.tensor([sum(sum(w) / len(w) for w in walks), len(walks)], device=self.device)
+        tau_sum, docs = self._all_reduce(taus).tolist()
         m = {f"val_{k}": v for k, v in stats.to_metrics().items()}
-        return m | {"val_s": time.perf_counter() - t0}
+        return m | {
+            "val_tau_walk": tau_sum / max(docs, 1),
+            "val_docs": int(docs),
+            "val_s": time.perf_counter() - t0,
+        }
 
     def measure_tau(self) -> dict:
         """Greedy speculative decoding against the running target on held-out prompts: the serving
