@@ -69,7 +69,7 @@ class Scale:
     val_conversations: int = 0
 
 
-CPU = Scale(prompt_tenths=3)
+CPU = Scale(prompt_tenths=3, val_conversations=64)
 H200 = Scale(
     device="cuda",
     vocab_size=8192,
@@ -408,7 +408,9 @@ def run_pipeline(out: Path, budget_minutes: float, scale: Scale) -> dict:
     # a share of the time left trains the drafter (a step takes ~0.15 s on 2 cores); eval follows
     remaining = budget - (time.time() - t_start)
     steps = max(50, int(scale.drafter_share * remaining / scale.drafter_step_s))
-    cfg = resolve_config(scale.preset, **scale.drafter, log_every=25, max_steps=steps)
+    # validation (held-out conversations) once, at the last step
+    val = prep.summary.get("val_dir")
+    cfg = resolve_config(scale.preset, **scale.drafter, log_every=25, max_steps=steps, val_data=val)
     trainer = build_trainer(
         cfg, str(prep.target_dir), str(prep.data_dir), str(out / "run"), device=scale.device
     )
@@ -420,6 +422,12 @@ def run_pipeline(out: Path, budget_minutes: float, scale: Scale) -> dict:
             )
         )
     console.print(f"drafter: loss {result.first_loss:.3f} -> {result.final_loss:.3f} in {result.steps} steps")
+    last = trainer.last_metrics
+    if "val_tau_walk" in last:
+        console.print(
+            f"tau_train: {last['tau_train']:.2f} on a training batch, {last['val_tau_train']:.2f} on "
+            f"{last['val_docs']} held-out conversations, {last['val_tau_walk']:.2f} walked as decoding walks"
+        )
 
     with console.status("speculative decoding on held-out prompts"):
         report = compare_methods(
@@ -437,6 +445,7 @@ def run_pipeline(out: Path, budget_minutes: float, scale: Scale) -> dict:
         "drafter_first_loss": result.first_loss,
         "drafter_final_loss": result.final_loss,
         "drafter_steps": result.steps,
+        **{k: last[k] for k in ("tau_train", "val_tau_train", "val_tau_walk", "val_docs") if k in last},
         "tau": report["dflash"]["tau"],
         "tau_ngram": report["ngram"]["tau"],
     }
