@@ -41,12 +41,16 @@ def test_the_proof_runs_every_stage_and_the_reference_package_agrees(tmp_path):
     # validation: windows of the eval's files, none of them an eval prompt, none of them trained on
     lines = lambda path: [json.loads(x) for x in path.read_text().splitlines()]  # noqa: E731
     val = lines(tmp_path / "val" / "regenerated.jsonl")
-    assert s["val_conversations"] == len(val) == SMOKE.val_conversations
+    # a tiny target can answer a prompt with nothing: regeneration keeps and counts those apart
+    failed = [r["id"] for r in lines(tmp_path / "data" / "regenerated.jsonl.failed.jsonl")]
+    val_failed = [i for i in failed if i.startswith("val:")]
+    assert len(val) + len(val_failed) == SMOKE.val_conversations and 0 < s["val_conversations"] <= len(val)
     assert {r["id"].split("#")[0][4:] for r in val} <= sources["eval"]
     eval_prompts = {r["messages"][0]["content"] for r in lines(tmp_path / "eval" / "prompts.jsonl")}
     assert not eval_prompts & {r["messages"][0]["content"] for r in val}
     trained = [r["id"] for r in lines(tmp_path / "data" / "regenerated.rest.jsonl")]
-    assert len(trained) == s["conversations"] == SMOKE.conversations - SMOKE.val_conversations
+    assert len(trained) + len(failed) - len(val_failed) == SMOKE.conversations - SMOKE.val_conversations
+    assert s["conversations"] <= len(trained)
     assert not any(i.startswith("val:") for i in trained)
     ablation = Path(s["drafters"]["no_target_features"]["checkpoint"])
     config = json.loads((ablation / "config.json").read_text())
