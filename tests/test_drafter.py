@@ -69,6 +69,24 @@ def test_flex_and_dense_paths_give_the_same_block_logits(rows, seq_len, n):
     torch.testing.assert_close(flex[valid], dense[valid], atol=1e-4, rtol=1e-4)
 
 
+def test_acceptance_at_every_anchor_is_the_same_on_the_flex_path_with_padded_passes():
+    """Validation's dense passes on the structured flex mask (the GPU path): the last pass holds padding
+    anchors, and in one row nothing but padding."""
+    from flashdraft.train.blocks import every_anchor, fits_structured
+    from flashdraft.train.step import acceptance_map
+
+    target, drafter = target_and_drafter()
+    batch = packed_batch([[60, 60], [128]], seq_len=128)
+    n = 128 // BLOCK
+    passes = every_anchor(batch.loss_mask, batch.doc_ids, BLOCK, n)
+    assert fits_structured(128, n, BLOCK) and not passes[-1].valid[0].any() and passes[-1].valid[1].any()
+    feats = target_features(target, batch)
+    with torch.no_grad():
+        dense = acceptance_map(drafter, target, batch, feats, n, GAMMA, "dense")
+        flex = acceptance_map(drafter, target, batch, feats, n, GAMMA, "flex")
+    assert torch.equal(flex, dense) and (dense > 0).sum() > 100
+
+
 @pytest.mark.parametrize("attention", ["dense", "flex"])
 def test_no_leakage_from_features_at_or_after_the_anchor_or_other_blocks(attention):
     target, drafter = target_and_drafter()
