@@ -123,15 +123,16 @@ def walk_lengths(accepted: torch.Tensor, loss_mask: torch.Tensor, doc_ids: torch
     anchors spread evenly do: tau over these cycles is the served tau, tau over all anchors is higher.
     The walk ends where blocks stop fitting in the document (its last B - 1 tokens). One list per
     document with an answer (its first assistant turn), on the host."""
-    accepted, loss_mask, doc_ids = (t.cpu() for t in (accepted, loss_mask, doc_ids))
     walks = []
-    for r in range(accepted.shape[0]):
-        answer = (loss_mask[r] > 0) & (doc_ids[r] >= 0)
-        for d in doc_ids[r][answer].unique().tolist():
-            p = int(torch.nonzero(answer & (doc_ids[r] == d))[0])
+    for acc, mask, docs in zip(accepted.tolist(), loss_mask.tolist(), doc_ids.tolist(), strict=True):
+        starts = {}  # document -> the first token of its first answer
+        for p, (m, d) in enumerate(zip(mask, docs, strict=True)):
+            if m > 0 and d >= 0 and d not in starts:
+                starts[d] = p
+        for d, p in starts.items():
             lengths = []
-            while p < accepted.shape[1] and doc_ids[r, p] == d and accepted[r, p] > 0:
-                lengths.append(int(accepted[r, p]))
+            while p < len(acc) and docs[p] == d and acc[p] > 0:
+                lengths.append(int(acc[p]))
                 p += lengths[-1]
             if lengths:
                 walks.append(lengths)
