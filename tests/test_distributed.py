@@ -67,11 +67,12 @@ def _assert_same(a: Run, b: Run):
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, tiny_target_dir, data_dir) -> dict[str, Run]:
     """The same 3 steps of 4 micro-batches by one process and by 2 colocated ranks with DDP and with FSDP
-    (each accumulating 2)."""
+    (each accumulating 2); the first two validate at the last step (on the training data)."""
     tmp = tmp_path_factory.mktemp("runs")
+    val = ("--val-data", str(data_dir))
     return {
-        "one": _train(tmp, tiny_target_dir, data_dir, "one", 4),
-        "ddp": _train(tmp, tiny_target_dir, data_dir, "ddp", 2, "--nproc", "2"),
+        "one": _train(tmp, tiny_target_dir, data_dir, "one", 4, *val),
+        "ddp": _train(tmp, tiny_target_dir, data_dir, "ddp", 2, "--nproc", "2", *val),
         "fsdp": _train(tmp, tiny_target_dir, data_dir, "fsdp", 2, "--nproc", "2", "--fsdp"),
     }
 
@@ -83,6 +84,15 @@ def test_colocated_and_split_layouts_match_one_process(tmp_path, tiny_target_dir
     _assert_same(split, colocated)
     metrics = json.loads((tmp_path / "split" / "metrics.jsonl").read_text().splitlines()[-1])
     assert 0 < metrics["target_busy"] <= 1 and 0 < metrics["drafter_busy"] <= 1
+
+
+def test_validation_split_over_ranks_sums_to_one_process(runs):
+    last = {
+        k: json.loads((runs[k].out / "metrics.jsonl").read_text().splitlines()[-1]) for k in ("one", "ddp")
+    }
+    assert last["one"]["val_docs"] == last["ddp"]["val_docs"] > 0
+    for key in ("val_loss", "val_acc_slot1", "val_tau_train", "val_tau_walk"):
+        assert last["ddp"][key] == pytest.approx(last["one"][key], abs=1e-4), key
 
 
 def test_a_sharded_drafter_trains_as_a_replicated_one(tmp_path, tiny_target_dir, data_dir, runs):
