@@ -214,6 +214,25 @@ def test_cli_prepare_strict_exits_with_status_2(tokenizer_dir, mixed_input, tmp_
     assert "--strict" in result.stderr
 
 
+def test_cli_prepare_of_an_empty_file_says_nothing_was_kept(tokenizer_dir, tmp_path):
+    # the proof's validation split is empty when its tiny target answers every prompt with nothing
+    (tmp_path / "empty.jsonl").write_text("")
+    out = tmp_path / "out"
+    args = [
+        "prepare",
+        "--target",
+        str(tokenizer_dir),
+        "--input",
+        str(tmp_path / "empty.jsonl"),
+        "--out",
+        str(out),
+    ]
+    result = CliRunner().invoke(data_app, [*args, "--cache-dir", str(tmp_path / "c")])
+    assert result.exit_code == 1 and "no record was kept" in result.stderr
+    stats = json.loads((out / "stats.json").read_text())
+    assert (stats["records_read"], stats["kept"]) == (0, 0) and len(load_token_dataset(out)) == 0
+
+
 def test_cli_prepare_missing_input_exits_with_status_2(tokenizer_dir, tmp_path):
     args = [
         "prepare",

@@ -193,6 +193,8 @@ def _tokenize(validated, tokenizer, options: PrepareOptions, key: str):
             "truncated": datasets.Value("bool"),
         }
     )
+    if len(validated) == 0:  # map over no rows would return no columns at all
+        return datasets.Dataset.from_dict({name: [] for name in features}, features=features)
     return validated.map(
         _tokenize_batch,
         batched=True,

@@ -341,6 +341,12 @@ def prepare(out: Path, budget_s: float, scale: Scale, console: Console) -> Prepa
         val_dir = out / "val"
         regenerated = split_off(regenerated, VAL, val_dir / "regenerated.jsonl")
         val = prepare_dataset(str(val_dir / "regenerated.jsonl"), tokenizer, val_dir, options)
+        if val["kept"] == 0:
+            raise ValueError(
+                f"validation: the target answered none of its {scale.val_conversations} held-out prompts "
+                f"(see {data_dir}/regenerated.jsonl.failed.jsonl); train the target longer or set "
+                "val_conversations=0"
+            )
     stats = prepare_dataset(str(regenerated), tokenizer, data_dir, options)
     console.print(f"data: {stats['kept']} conversations, {stats['loss_tokens']} loss tokens -> {data_dir}")
     if val_dir is not None:
