@@ -408,9 +408,10 @@ def print_proof(s: dict, console: Console) -> None:
     table = Table(
         title=f"proof: {s['target_params'] / 1e6:.1f}M target (loss {s['target_loss']:.2f}), {s['device']}"
     )
-    columns = ("drafter", "steps", "loss", "tau_train", "val tau_train", "val walk", "tau T=0", "tau T=1")
-    columns += ("speedup T=0",)
-    for col in columns:
+    for col in (
+        *("drafter", "steps", "loss", "tau_train", "val tau_train", "val walk"),
+        *("tau T=0", "tau T=1", "speedup T=0"),
+    ):
         table.add_column(col, justify="left" if col == "drafter" else "right")
     for name, d in s["drafters"].items():
         main = name == "main"

@@ -101,11 +101,7 @@ def every_anchor(
     positions = torch.arange(s, device=cand.device).expand(b, s)
     idx = positions.masked_fill(~cand, s).sort(dim=1).values  # candidates first, in order
     passes = max(1, -(-int(cand.sum(1).max()) // num_anchors))
-    idx = (
-        torch.cat([idx, idx.new_full((b, passes * num_anchors - s), s)], 1)
-        if passes * num_anchors > s
-        else idx
-    )
+    idx = torch.cat([idx, idx.new_full((b, max(0, passes * num_anchors - s)), s)], 1)
     out = []
     for k in range(passes):
         chunk = idx[:, k * num_anchors : (k + 1) * num_anchors]

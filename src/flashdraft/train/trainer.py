@@ -601,13 +601,12 @@ class Trainer:
         t0 = time.perf_counter()
         cfg, loader = self.cfg, self.val_loader
         stats = StepStats.zeros(self.drafter.block_size, self.device)
-        weight_sum = torch.zeros((), device=self.device)
+        stats.weight_sum = torch.zeros((), device=self.device)
         walks: list[list[int]] = []
 
         def add(mb, out) -> None:
-            nonlocal weight_sum
             stats.add(out, mb)
-            weight_sum = weight_sum + mb.blocks.weights.sum()
+            stats.weight_sum += mb.blocks.weights.sum()
 
         count = min(cfg.val_batches, loader.batches_in_epoch(0))
         guard = recompiles_are_errors() if self.compile_report is not None else contextlib.nullcontext()
@@ -623,7 +622,7 @@ class Trainer:
                     )  # fmt: skip
                 walks += walk_lengths(accepted, cpu.loss_mask, cpu.doc_ids)
         self._reduce_stats(stats)
-        stats.weight_sum = self._all_reduce(weight_sum).clamp(min=1e-6)
+        stats.weight_sum = self._all_reduce(stats.weight_sum).clamp(min=1e-6)
         taus = torch.tensor([sum(sum(w) / len(w) for w in walks), len(walks)], device=self.device)
         tau_sum, docs = self._all_reduce(taus).tolist()
         m = {f"val_{k}": v for k, v in stats.to_metrics().items()}
