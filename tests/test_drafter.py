@@ -9,6 +9,10 @@ from flashdraft.train.blocks import Anchors, make_blocks
 from flashdraft.train.step import plan_micro_batch, target_features, visibility_for
 from helpers import BLOCK, GAMMA, MASK_ID, packed_batch, target_and_drafter, tiny_target
 
+# the flex path runs uncompiled here on purpose: these tests check what it computes against the
+# dense path (the trainer compiles it)
+pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+
 
 def _block_logits(target, drafter, batch, anchors, attention="dense", features=None, block_embeds=None):
     """Logits [b, n*B, V] of every block (training form, many blocks under one mask)."""
