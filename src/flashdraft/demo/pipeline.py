@@ -295,9 +295,9 @@ def prepare(out: Path, budget_s: float, scale: Scale, console: Console) -> Prepa
     eval_files = split["eval"]
     held_texts = [f.read_text(errors="replace") for f in eval_files]
     held = code_windows(held_texts, tokenizer, scale.prompt_tokens, scale.response_tokens)
-    every = max(1, len(held) // scale.eval_prompts)
-    eval_pairs = held[::every][: scale.eval_prompts]
-    val_pool = [i for i in range(len(held)) if not (i % every == 0 and i // every < scale.eval_prompts)]
+    eval_picks = range(0, len(held), max(1, len(held) // scale.eval_prompts))[: scale.eval_prompts]
+    eval_pairs = [held[i] for i in eval_picks]
+    val_pool = [i for i in range(len(held)) if i not in eval_picks]  # the same files, not the prompts
     if len(val_pool) < scale.val_conversations:
         raise ValueError(
             f"{scale.val_conversations} validation conversations asked for, but the eval's files hold "
