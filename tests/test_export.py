@@ -143,14 +143,39 @@ def test_speculators_export_has_the_fields_and_layer_numbering_vllm_reads(ckpt, 
     assert all(torch.equal(weights[k], source[k].to(torch.bfloat16)) for k in source)
 
 
-def test_speculators_export_refuses_a_tap_on_the_targets_last_layer(tmp_path):
+def test_a_tap_on_the_targets_last_layer_is_refused_by_the_config_and_both_exports(tmp_path):
+    """Loaders disagree on what the last layer's output is (the reference reads the final-normed state,
+    SGLang never captures it), so no drafter tapping it is built or exported."""
     model = tiny_target()
-    drafter = DFlashDrafter(drafter_config(model.config, 1, [2, 5], 2, BLOCK, MASK_ID))
+    with pytest.raises(ValueError, match="last layer"):
+        drafter_config(model.config, 1, [2, 5], 2, BLOCK, MASK_ID)
+    drafter = DFlashDrafter(drafter_config(model.config, 1, [2, 4], 2, BLOCK, MASK_ID))
     init_drafter_(drafter, 0.02, seed=0)
     write_zlab(drafter, tmp_path)
-    with pytest.raises(ValueError, match="last layer"):
-        export_checkpoint(tmp_path, "speculators", tmp_path / "spec", verifier="some/target")
-    export_checkpoint(tmp_path, "zlab", tmp_path / "zlab")  # the z-lab layout can say it
+    export_checkpoint(tmp_path, "zlab", tmp_path / "ok")
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg["dflash_config"]["target_layer_ids"] = [2, 5]  # as a checkpoint written elsewhere may say
+    cfg.pop("eagle_aux_hidden_state_layer_ids")
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    for fmt, out in (("zlab", "zlab"), ("speculators", "spec")):
+        with pytest.raises(ValueError, match="last layer"):
+            export_checkpoint(tmp_path, fmt, tmp_path / out, verifier="some/target")
+
+
+def test_zlab_export_names_the_taps_for_older_vllm_too(tmp_path):
+    """eagle_aux_hidden_state_layer_ids: the z-lab ids numbered from the embedding output (id + 1)."""
+    model = tiny_target()
+    drafter = DFlashDrafter(drafter_config(model.config, 1, [1, 3], 2, BLOCK, MASK_ID))
+    (tmp_path / "ckpt").mkdir()
+    write_zlab(drafter, tmp_path / "ckpt")
+    for cfg in (
+        json.loads((tmp_path / "ckpt" / "config.json").read_text()),
+        json.loads(
+            (export_checkpoint(tmp_path / "ckpt", "zlab", tmp_path / "zlab") / "config.json").read_text()
+        ),
+    ):
+        assert cfg["dflash_config"]["target_layer_ids"] == [1, 3]
+        assert cfg["eagle_aux_hidden_state_layer_ids"] == [2, 4]
 
 
 def _cli() -> typer.Typer:

@@ -1,7 +1,7 @@
 """`flashdraft train --plan`: the layout, each rank's memory and the expected target/drafter balance,
 printed before anything is loaded (the target's config only, no weights).
 
-Memory per rank: target weights (bf16, up to the last tapped layer) on target ranks; on drafter
+Memory per rank: target weights (bf16, every layer: the loaded model stays whole) on target ranks; on drafter
 ranks the drafter's fp32 weights, gradients and two AdamW moments (16 bytes a parameter, divided
 over the drafter ranks with fsdp) plus the target's embedding and lm_head. Balance: the time of
 one micro-batch on each side (model FLOPs at the fraction of the matmul peak that side reached on
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from flashdraft.config import TrainConfig
 from flashdraft.dist.topology import Layout
 from flashdraft.model.drafter import drafter_config
-from flashdraft.train.flops import step_flops
+from flashdraft.train.flops import layer_matmul_params, step_flops
 
 # Fraction of the bf16 matmul peak each side reached on the H200 for qwen3-8b and the paper's
 # drafter (docs/results.md, fourth measurement): the compiled target forward, 43.0 TFLOP in 67.4 ms,
@@ -62,14 +62,14 @@ def make_plan(cfg: TrainConfig, target_config, layout: str, world_size: int) -> 
     spec = cfg.drafter
     dcfg = drafter_config(
         target_config, spec.num_layers, spec.target_layer_ids, spec.num_taps, spec.block_size, 0,
-        spec.intermediate_size,
+        spec.intermediate_size, spec.num_attention_heads, spec.num_key_value_heads, spec.head_dim,
+        spec.rope_theta,
     )  # fmt: skip
     kept = max(dcfg.target_layer_ids) + 1
-    t = target_config
+    t = target_config.get_text_config()
     head_params = 2 * t.vocab_size * t.hidden_size
-    layer_params = _params_per_layer(t)
     drafter_params = (
-        _params_per_layer(dcfg) * dcfg.num_hidden_layers + len(dcfg.target_layer_ids) * t.hidden_size**2
+        layer_matmul_params(dcfg) * dcfg.num_hidden_layers + len(dcfg.target_layer_ids) * t.hidden_size**2
     )
     b = cfg.data.rows_per_batch
     flops = step_flops(
@@ -93,14 +93,9 @@ def make_plan(cfg: TrainConfig, target_config, layout: str, world_size: int) -> 
         layout=str(lay),
         world_size=world_size,
         roles=roles,
-        target_gib=(kept * layer_params + head_params) * 2 / gib,
+        target_gib=(t.num_hidden_layers * layer_matmul_params(t, active=False) + head_params) * 2 / gib,
         drafter_gib=(16 * drafter_params / (lay.drafters if cfg.fsdp else 1) + 2 * head_params) / gib,
         target_tflop_per_micro=target_tf,
         drafter_tflop_per_micro=drafter_tf,
         target_share=share,
     )
-
-
-def _params_per_layer(c) -> int:
-    d, hd = c.hidden_size, c.head_dim
-    return d * hd * (2 * c.num_attention_heads + 2 * c.num_key_value_heads) + 3 * d * c.intermediate_size

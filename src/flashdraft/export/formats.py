@@ -25,6 +25,8 @@ import transformers
 from safetensors.torch import load_file, save_file
 from transformers import Qwen3Config
 
+from flashdraft.model.drafter import LAST_LAYER
+
 CONFIG = "config.json"
 WEIGHTS = "model.safetensors"
 FORMATS = ("zlab", "speculators")
@@ -42,7 +44,15 @@ QWEN3_FIELDS = (
     "vocab_size",
 )
 # config.json keys that describe DFlash rather than the draft transformer (as speculators splits them)
-_NOT_TRANSFORMER = ("architectures", "auto_map", "block_size", "dflash_config", "num_target_layers")
+_NOT_TRANSFORMER = (
+    "architectures",
+    "auto_map",
+    "block_size",
+    "dflash_config",
+    "num_target_layers",
+    "eagle_aux_hidden_state_layer_ids",
+    "rope_scaling",
+)
 
 
 def _int_list(value) -> bool:
@@ -86,6 +96,14 @@ def _dflash_problems(cfg: dict) -> list[str]:
         problems.append("dflash_config.target_layer_ids must be a non-empty list of layer ids")
     elif isinstance(depth, int) and not all(0 <= i < depth for i in ids):
         problems.append(f"dflash_config.target_layer_ids {ids} outside the target's {depth} layers")
+    elif isinstance(depth, int) and depth - 1 in ids:
+        problems.append(LAST_LAYER.format(layer=depth - 1))
+    eagle = cfg.get("eagle_aux_hidden_state_layer_ids")
+    if eagle is not None and _int_list(ids) and eagle != [i + 1 for i in ids]:
+        problems.append(
+            f"eagle_aux_hidden_state_layer_ids {eagle} must be dflash_config.target_layer_ids + 1 "
+            f"({[i + 1 for i in ids]})"
+        )
     if not isinstance(mask, int) or not 0 <= mask < cfg.get("vocab_size", 0):
         problems.append(f"dflash_config.mask_token_id {mask!r} is not a row of the vocabulary")
     sizes = {s for s in (cfg.get("block_size"), dflash.get("block_size")) if s is not None}
@@ -161,13 +179,6 @@ def read_zlab(ckpt_dir: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
 def speculators_config(cfg: dict, verifier: str, verifier_architectures: list[str]) -> dict:
     """The speculators config.json of a z-lab config (see the module docstring for the sources)."""
     dflash = cfg["dflash_config"]
-    depth = cfg["num_target_layers"]
-    last = [i for i in dflash["target_layer_ids"] if i + 1 >= depth]
-    if last:
-        raise ValueError(
-            f"target layer {last} is the target's last layer: vLLM collects aux hidden states at the input "
-            "of a layer, so the speculators layout cannot name it (use the z-lab layout)"
-        )
     block = block_size_of(cfg)
     # normalised the way speculators serialises it: the non-default fields of a Qwen3Config
     transformer = Qwen3Config(**{k: v for k, v in cfg.items() if k not in _NOT_TRANSFORMER}).to_diff_dict()
@@ -236,7 +247,8 @@ def export_checkpoint(
         raise ValueError(f"unknown format {fmt!r}; choose one of {list(FORMATS)}")
     cfg, weights = read_zlab(ckpt_dir)
     if fmt == "zlab":
-        out_cfg = {**cfg, "torch_dtype": "bfloat16"}
+        ids = cfg["dflash_config"]["target_layer_ids"]
+        out_cfg = {**cfg, "torch_dtype": "bfloat16", "eagle_aux_hidden_state_layer_ids": [i + 1 for i in ids]}
         out_cfg.pop("dtype", None)
     else:
         if not verifier:

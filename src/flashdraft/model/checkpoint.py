@@ -26,8 +26,9 @@ LATEST = "LATEST"
 def zlab_config(drafter: DFlashDrafter) -> dict:
     cfg = drafter.config
     out = cfg.to_dict()
-    for key in ("target_layer_ids", "mask_token_id", "block_size", "num_target_layers"):
+    for key in ("target_layer_ids", "mask_token_id", "block_size", "num_target_layers", *_DERIVED):
         out.pop(key, None)
+    ids = [int(i) for i in cfg.target_layer_ids]
     out.update(
         architectures=["DFlashDraftModel"],
         model_type="qwen3",
@@ -39,12 +40,20 @@ def zlab_config(drafter: DFlashDrafter) -> dict:
         block_size=int(cfg.block_size),
         dflash_config={
             "mask_token_id": int(cfg.mask_token_id),
-            "target_layer_ids": [int(i) for i in cfg.target_layer_ids],
+            "target_layer_ids": ids,
             "block_size": int(cfg.block_size),
         },
+        # what older vLLM builds read instead of dflash_config: the ids numbered from the embedding output
+        eagle_aux_hidden_state_layer_ids=[i + 1 for i in ids],
     )
+    if cfg.rope_parameters.get("rope_type", "default") != "default":  # for loaders that read rope_scaling
+        out["rope_scaling"] = {k: v for k, v in cfg.rope_parameters.items() if k != "rope_theta"}
     out.pop("dtype", None)
     return out
+
+
+# config.json fields written from others (and rebuilt from them when a checkpoint is loaded)
+_DERIVED = ("eagle_aux_hidden_state_layer_ids", "rope_scaling")
 
 
 def _fsync_dir(path: Path) -> None:
@@ -136,8 +145,12 @@ def load_drafter(
     missing = [k for k in ("mask_token_id", "target_layer_ids") if k not in dflash]
     if missing:
         raise ValueError(f"{ckpt_dir / CONFIG}: dflash_config lacks {missing}")
-    fields = {k: v for k, v in raw.items() if k not in ("dflash_config", "architectures", "torch_dtype")}
-    fields.setdefault("rope_parameters", {"rope_type": "default", "rope_theta": raw.get("rope_theta", 1e6)})
+    skip = ("dflash_config", "architectures", "torch_dtype", *_DERIVED)
+    fields = {k: v for k, v in raw.items() if k not in skip}
+    if "rope_parameters" not in fields:  # a config in the older form: rope_theta and rope_scaling
+        scaling = dict(raw.get("rope_scaling") or {})
+        scaling.setdefault("rope_type", scaling.pop("type", "default"))
+        fields["rope_parameters"] = {**scaling, "rope_theta": raw.get("rope_theta", 1e6)}
     cfg = Qwen3Config(**fields)
     cfg.target_layer_ids = list(dflash["target_layer_ids"])
     cfg.mask_token_id = int(dflash["mask_token_id"])

@@ -205,29 +205,39 @@ def drafter_config(
     block_size: int,
     mask_token_id: int,
     intermediate_size: int | None = None,
+    num_attention_heads: int | None = None,
+    num_key_value_heads: int | None = None,
+    head_dim: int | None = None,
+    rope_theta: float | None = None,
 ) -> Qwen3Config:
-    """The drafter's Qwen3Config: attention and width shapes follow the target (it reuses the target's
-    embedding and lm_head, so the hidden size must match)."""
-    head_dim = getattr(target_config, "head_dim", None) or (
-        target_config.hidden_size // target_config.num_attention_heads
-    )
-    n_target = target_config.num_hidden_layers
+    """The drafter's Qwen3Config. Its width is the target's (it reuses the target's embedding and lm_head
+    and reads its hidden states); heads, head size, MLP width and RoPE default to the target's text config
+    (the text part of a composite one) and can be set for targets whose attention does not suit a small
+    drafter (an MLA target such as DeepSeek-V3 has 128 key/value heads)."""
+    text = target_config.get_text_config()
+    n_target = text.num_hidden_layers
     ids = list(target_layer_ids) if target_layer_ids else default_target_layer_ids(n_target, num_taps)
-    bad = [i for i in ids if not EMBEDDINGS <= i < n_target]
-    if bad:
-        raise ValueError(f"target_layer_ids {bad} outside the target's {n_target} layers (or -1)")
-    rope_theta = _rope_theta(target_config)
+    check_target_layer_ids(ids, n_target)
+    heads = num_attention_heads or text.num_attention_heads
+    kv_heads = num_key_value_heads or getattr(text, "num_key_value_heads", None) or heads
+    if heads % kv_heads:
+        raise ValueError(f"drafter: {heads} attention heads do not split into {kv_heads} key/value heads")
+    inter = intermediate_size or getattr(text, "intermediate_size", None)
+    if not inter:
+        raise ValueError(
+            f"the target config ({text.model_type}) has no intermediate_size: set drafter.intermediate_size"
+        )
     cfg = Qwen3Config(
-        vocab_size=target_config.vocab_size,
-        hidden_size=target_config.hidden_size,
-        intermediate_size=intermediate_size or target_config.intermediate_size,
+        vocab_size=text.vocab_size,
+        hidden_size=text.hidden_size,
+        intermediate_size=inter,
         num_hidden_layers=num_layers,
-        num_attention_heads=target_config.num_attention_heads,
-        num_key_value_heads=target_config.num_key_value_heads,
-        head_dim=head_dim,
-        rms_norm_eps=target_config.rms_norm_eps,
-        max_position_embeddings=target_config.max_position_embeddings,
-        rope_parameters={"rope_type": "default", "rope_theta": rope_theta},
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim or _target_head_dim(text, heads),
+        rms_norm_eps=getattr(text, "rms_norm_eps", None) or 1e-6,
+        max_position_embeddings=getattr(text, "max_position_embeddings", None) or 32768,
+        rope_parameters=drafter_rope(text, rope_theta),
         attention_bias=False,
         tie_word_embeddings=False,
     )
@@ -238,9 +248,61 @@ def drafter_config(
     return cfg
 
 
-def _rope_theta(config) -> float:
-    params = getattr(config, "rope_parameters", None) or {}
-    theta = params.get("rope_theta", getattr(config, "rope_theta", None))
+def check_target_layer_ids(ids: list[int], num_target_layers: int) -> None:
+    """Taps lie in the target (or are -1, the embeddings) and never on its last layer."""
+    bad = [i for i in ids if not EMBEDDINGS <= i < num_target_layers]
+    if bad:
+        raise ValueError(f"target_layer_ids {bad} outside the target's {num_target_layers} layers (or -1)")
+    if num_target_layers - 1 in ids:
+        raise ValueError(LAST_LAYER.format(layer=num_target_layers - 1))
+
+
+LAST_LAYER = (
+    "target layer {layer} is the target's last layer, which loaders read differently (the reference dflash "
+    "package reads its final-normed state, SGLang never captures it): tap an earlier layer"
+)
+
+
+def _target_head_dim(text, heads: int) -> int:
+    head_dim = getattr(text, "head_dim", None)
+    if head_dim and heads == text.num_attention_heads:
+        return int(head_dim)
+    return text.hidden_size // heads
+
+
+# rope_parameters fields that describe positions along one axis; others (partial_rotary_factor,
+# mrope_section, ...) shape how a target applies its rotary embedding, not the drafter's
+_ROPE_FIELDS = (
+    "rope_type",
+    "rope_theta",
+    "factor",
+    "original_max_position_embeddings",
+    "low_freq_factor",
+    "high_freq_factor",
+    "beta_fast",
+    "beta_slow",
+    "attention_factor",
+    "truncate",
+    "long_factor",
+    "short_factor",
+)
+_ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "longrope", "llama3")
+
+
+def drafter_rope(text_config, rope_theta: float | None = None) -> dict:
+    """The drafter's rope_parameters from the target's, whatever their form: a flat `rope_theta`,
+    `rope_parameters` (with its scaling: Llama 3's, YaRN, ...), or one set per layer kind (Gemma 3: the
+    full-attention layers' are taken). `rope_theta` overrides the base (and is required for a target
+    without rotary embeddings)."""
+    params = dict(getattr(text_config, "rope_parameters", None) or {})
+    if params and all(isinstance(v, dict) for v in params.values()):  # per layer kind
+        params = dict(params.get("full_attention") or next(iter(params.values())))
+    theta = rope_theta or params.get("rope_theta", getattr(text_config, "rope_theta", None))
     if theta is None:
-        raise ValueError("target config has no rope_theta")
-    return float(theta)
+        raise ValueError(
+            "the target config has no rope_theta (no rotary embeddings?): set drafter.rope_theta"
+        )
+    if params.get("rope_type", "default") not in _ROPE_TYPES:
+        params = {}
+    rope = {k: params[k] for k in _ROPE_FIELDS if k in params}
+    return {"rope_type": "default", **rope, "rope_theta": float(theta)}
