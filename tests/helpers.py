@@ -29,10 +29,10 @@ def tiny_drafter(model, num_layers: int = 2, num_taps: int = 2, seed: int = 0, b
     return drafter.eval()
 
 
-def target_and_drafter(seed: int = 0, truncate: bool = True):
+def target_and_drafter(seed: int = 0):
     model = tiny_target(seed)
     drafter = tiny_drafter(model, seed=seed)
-    return Target(model, drafter.target_layer_ids, truncate=truncate), drafter
+    return Target(model, drafter.target_layer_ids), drafter
 
 
 def random_docs(lengths: list[int], seed: int = 0, prompt_len: int = 4) -> list[dict]:

@@ -71,7 +71,7 @@ def test_a_compiled_target_computes_the_eager_features_without_recompiling(
         trainer.val_loader = trainer.stream.loader  # validation reuses the training graphs: no recompile
         assert 1.0 <= trainer.validate()["val_tau_train"] <= 16.0
         batch = trainer.stream[0]
-        eager = Target(load_target(tiny_target_dir)[0], trainer.target.layer_ids, truncate=True)
+        eager = Target(load_target(tiny_target_dir)[0], trainer.target.layer_ids)
         torch.testing.assert_close(
             trainer.target.features(batch.input_ids, batch.position_ids),
             eager.features(batch.input_ids, batch.position_ids),

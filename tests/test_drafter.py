@@ -27,24 +27,38 @@ def _block_logits(target, drafter, batch, anchors, attention="dense", features=N
         return target.lm_head(hidden)
 
 
-def test_target_features_are_the_outputs_of_the_tapped_layers():
+def _layers_run(model) -> list[int]:
+    """Indices of the decoder layers that ran, in order, appended to by forward pre-hooks."""
+    ran: list[int] = []
+    for i, layer in enumerate(model.model.layers):
+        layer.register_forward_pre_hook(lambda *_, i=i: ran.append(i))
+    return ran
+
+
+def test_target_features_are_the_outputs_of_the_tapped_layers_and_later_layers_never_run():
     full = tiny_target()
     ids = torch.randint(0, 90, (2, 24))
     with torch.no_grad():
         hs = full(ids, output_hidden_states=True).hidden_states
-    target = Target(tiny_target(), [1, 3], truncate=True)
-    assert len(target.model.model.layers) == 4  # nothing after the last tapped layer is kept
+    target = Target(tiny_target(), [1, 3])
+    ran = _layers_run(target.model)
     feats = target.features(ids)
     torch.testing.assert_close(feats, torch.cat([hs[2], hs[4]], -1))  # output of layer i = hs[i + 1]
+    assert ran == [0, 1, 2, 3]  # the forward stopped after the last tapped layer
+    assert len(target.model.model.layers) == 6  # and the model is whole: eval decodes with it
+    ran.clear()
+    target.decode(ids[:1])
+    assert ran == [0, 1, 2, 3, 4, 5]
 
 
-def test_tap_minus_one_is_the_token_embedding_and_keeps_no_layer():
+def test_tap_minus_one_is_the_token_embedding_and_runs_no_layer():
     """The no-target-features ablation: its drafter sees embed(context tokens), no target layer runs."""
     ids = torch.randint(0, 90, (2, 24))
-    target = Target(tiny_target(), [-1], truncate=True)
-    assert len(target.model.model.layers) == 0
+    target = Target(tiny_target(), [-1])
+    ran = _layers_run(target.model)
     torch.testing.assert_close(target.features(ids), target.embed_tokens(ids))
-    both = Target(tiny_target(), [-1, 1], truncate=True)
+    assert ran == []
+    both = Target(tiny_target(), [-1, 1])
     assert both.features(ids)[..., : both.model.config.hidden_size].equal(both.embed_tokens(ids))
     with pytest.raises(ValueError, match="do not fit"):
         Target(tiny_target(), [-2])

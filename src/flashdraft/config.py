@@ -18,20 +18,34 @@ class _Strict(BaseModel):
 
 
 class DrafterSpec(_Strict):
-    """Shape of the drafter; width, heads and RoPE follow the target."""
+    """Shape of the drafter: its width is the target's; heads, head size, MLP width and RoPE follow the
+    target's unless set here."""
 
     num_layers: int = Field(5, ge=1, description="draft decoder layers")
     num_taps: int = Field(5, ge=1, description="target layers tapped, spread by the default rule")
     target_layer_ids: list[int] | None = Field(None, description="explicit 0-based target layers")
     block_size: int = Field(16, ge=2, description="tokens drafted per block (B)")
     mask_token_id: int | None = Field(None, description="token id of MASK; auto-detected when unset")
-    intermediate_size: int | None = Field(None, description="MLP width; the target's when unset")
+    intermediate_size: int | None = Field(None, ge=1, description="MLP width; the target's when unset")
+    num_attention_heads: int | None = Field(None, ge=1, description="query heads; the target's when unset")
+    num_key_value_heads: int | None = Field(
+        None, ge=1, description="key/value heads; the target's when unset"
+    )
+    head_dim: int | None = Field(None, ge=1, description="size of a head; the target's when unset")
+    rope_theta: float | None = Field(
+        None, gt=0, description="RoPE base; the target's when unset (required for a target without RoPE)"
+    )
 
 
 class DataSpec(_Strict):
     seq_len: int = Field(3072, ge=16, description="tokens per packed row (fixed shape)")
     rows_per_batch: int = Field(1, ge=1, description="packed rows per micro-batch")
     pad_token_id: int | None = None
+    one_document_per_row: bool = Field(
+        False,
+        description="one document per row even where the target keeps packed documents apart (a target "
+        "whose layers carry state across documents always gets one per row)",
+    )
 
 
 class OptimSpec(_Strict):
@@ -90,6 +104,12 @@ class TrainConfig(_Strict):
         None,
         description="also torch.compile the target's decoder layers; default: with compile (qwen3-8b on "
         "the H200: target forward 96 -> 70 ms); true without compile is refused",
+    )
+    target_attention: str = Field(
+        "auto",
+        pattern="^(auto|sdpa|eager|flex_attention|flash_attention_2|flash_attention_3)$",
+        description="the target's transformers attention implementation; auto: the model's own choice (sdpa "
+        "where supported, else eager), named on the start-up line",
     )
     attention: str = Field(
         "auto",

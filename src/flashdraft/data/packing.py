@@ -43,11 +43,16 @@ def save_token_dataset(records: Sequence[dict], data_dir: str | Path) -> Path:
     return path
 
 
-def pack_documents(lengths: Sequence[int], seq_len: int, order: Sequence[int]) -> list[list[int]]:
-    """Greedy in order: append each document to the current row while it fits, else open a new row.
+def pack_documents(
+    lengths: Sequence[int], seq_len: int, order: Sequence[int], one_per_row: bool = False
+) -> list[list[int]]:
+    """Greedy in order: append each document to the current row while it fits, else open a new row
+    (one_per_row: every document opens a row, for targets that cannot keep packed documents apart).
 
     Documents are never split; one longer than `seq_len` gets a row to itself (and is truncated).
     """
+    if one_per_row:
+        return [[int(i)] for i in order]
     rows: list[list[int]] = []
     used = seq_len
     for i in order:
@@ -133,8 +138,17 @@ def _flat_lists(column) -> tuple[np.ndarray, np.ndarray]:
 class PackedLoader:
     """Epochs of packed batches in a seeded order; (epoch, batch index) is the whole position."""
 
-    def __init__(self, dataset, seq_len: int, rows_per_batch: int, pad_token_id: int, seed: int):
+    def __init__(
+        self,
+        dataset,
+        seq_len: int,
+        rows_per_batch: int,
+        pad_token_id: int,
+        seed: int,
+        one_document_per_row: bool = False,
+    ):
         self.arrow = dataset.with_format("arrow")  # whole batches read as Arrow columns, not row dicts
+        self.one_document_per_row = one_document_per_row
         self.seq_len = seq_len
         self.rows_per_batch = rows_per_batch
         self.pad_token_id = pad_token_id
@@ -148,7 +162,7 @@ class PackedLoader:
     def rows(self, epoch: int) -> list[list[int]]:
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
         order = torch.randperm(len(self.lengths), generator=g).tolist()
-        return pack_documents(self.lengths, self.seq_len, order)
+        return pack_documents(self.lengths, self.seq_len, order, self.one_document_per_row)
 
     def batches_in_epoch(self, epoch: int) -> int:
         """Full batches of an epoch (a last partial batch is dropped)."""

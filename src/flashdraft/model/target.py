@@ -1,72 +1,128 @@
-"""The frozen target: any Hugging Face causal LM, cut after its last tapped layer.
+"""The frozen target: any Hugging Face decoder-only causal LM, read through the model's own interfaces.
 
 The drafter needs the outputs of a few target layers, the target's token embedding and its lm_head.
-Layers after the last tapped one are dropped from the module (never computed), and the tapped
-outputs are read with forward hooks on the decoder layers rather than `output_hidden_states`,
-whose last entry transformers replaces with the final-normed state.
+All three are found the way transformers exposes them for every family: `get_decoder()` and its list of
+decoder layers (the one nn.ModuleList as long as the text config's `num_hidden_layers`),
+`get_input_embeddings()`, `get_output_embeddings()`, and `config.get_text_config()` for composite
+(multimodal) configs such as Gemma3ForConditionalGeneration's. Tapped outputs are read with forward
+hooks on the decoder layers rather than `output_hidden_states`, whose last entry transformers replaces
+with the final-normed state. For training features the forward stops right after the last tapped layer
+(its hook raises), so later layers and the lm_head cost nothing and the loaded model is never changed:
+the same object decodes in eval.
+
+Packed rows hold documents end to end, positions restarting at 0 in each. How a target keeps them apart
+is measured once at start-up (`choose_packing`), not assumed per family:
+- "positions": the model builds its own masks from the position ids (document-causal, restricted to the
+  window in sliding-window layers, in the format of its attention implementation), as transformers does
+  for packed sequences (Qwen3, Llama, Mistral, Qwen3-MoE, Gemma 3, Phi-3, ...);
+- "masks": the model ignores position ids when it builds masks but accepts a mapping of masks per layer
+  kind (gpt-oss): transformers' own mask builders make them here from the position ids;
+- "one_document": no mask keeps documents apart, because some layers carry state from token to token
+  (linear attention such as Qwen3-Next's Gated DeltaNet, whose reference kernels ignore sequence
+  boundaries; Mamba-style layers): the packer then puts one document per row.
+The probe is structural, hence exact in any dtype: the gradient of the second document's tapped features
+with respect to the first document's input embeddings is zero exactly when nothing leaks (masked attention
+weights are exact zeros) and non-zero otherwise.
 """
 
 from __future__ import annotations
 
-import contextlib
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from flashdraft.model.drafter import EMBEDDINGS
 
-
-def _decoder_layers(model: PreTrainedModel) -> nn.ModuleList:
-    layers = getattr(model.get_decoder(), "layers", None)
-    if not isinstance(layers, nn.ModuleList):
-        raise TypeError(f"{type(model).__name__}: cannot find its decoder layers (model.layers)")
-    return layers
+PACKINGS = ("positions", "masks", "one_document")
 
 
-def _set_depth(model: PreTrainedModel, layers: list[nn.Module], layer_types: list | None) -> None:
-    """Give the decoder these layers; the config follows so the decoder loops over all of them."""
+class _Stop(Exception):
+    """Raised by the last tapped layer's hook to end a features forward there."""
+
+
+def decoder_layers(model: PreTrainedModel) -> tuple[nn.Module, str, nn.ModuleList]:
+    """(the decoder, the attribute name, the list) of the model's decoder layers."""
     decoder = model.get_decoder()
-    decoder.layers = nn.ModuleList(layers)
-    for config in {id(c): c for c in (model.config, decoder.config)}.values():
-        config.num_hidden_layers = len(layers)
-        if layer_types is not None:
-            config.layer_types = layer_types[: len(layers)]
+    depth = model.config.get_text_config().num_hidden_layers
+    found = [
+        (name, m) for name, m in decoder.named_children() if isinstance(m, nn.ModuleList) and len(m) == depth
+    ]
+    if len(found) != 1:
+        raise TypeError(
+            f"{type(model).__name__}: cannot find its decoder layers (one nn.ModuleList of {depth} layers "
+            f"in {type(decoder).__name__}; found {[n for n, _ in found]})"
+        )
+    return decoder, *found[0]
+
+
+def layer_kinds(config) -> list[str]:
+    """The attention kind of every layer of text config `config`: its `layer_types`, or for a config
+    without them (Mistral, Phi-3), sliding_attention in every layer where it sets a sliding window."""
+    kinds = getattr(config, "layer_types", None)
+    if kinds:
+        return list(kinds)
+    sliding = getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True)
+    return ["sliding_attention" if sliding else "full_attention"] * config.num_hidden_layers
+
+
+def _mask_builders() -> dict:
+    from transformers import masking_utils as mu
+
+    return {
+        "full_attention": mu.create_causal_mask,
+        "sliding_attention": mu.create_sliding_window_causal_mask,
+        "chunked_attention": mu.create_chunked_causal_mask,
+    }
 
 
 class Target:
     """A frozen causal LM that returns the outputs of layers `layer_ids` (0-based; -1 is the token
     embedding, which an ablation taps alone to train a drafter that sees no target features).
 
-    truncate=True (training) drops every layer after max(layer_ids) from the module, so they are
-    neither computed nor kept in memory; keep the full model (truncate=False) to decode with it.
-    heads_only=True keeps only the embedding and lm_head (a drafter rank of a split layout).
+    packing: how `features` keeps the documents of a packed row apart (the module docstring);
+    `choose_packing` measures which one the model needs. heads_only=True keeps only the embedding and
+    lm_head (a drafter rank of a split layout: its decoder layers are dropped from the model).
     """
 
     def __init__(
-        self, model: PreTrainedModel, layer_ids: list[int], truncate: bool = False, heads_only: bool = False
+        self,
+        model: PreTrainedModel,
+        layer_ids: list[int],
+        heads_only: bool = False,
+        packing: str = "positions",
     ):
+        if packing not in PACKINGS:
+            raise ValueError(f"packing must be one of {PACKINGS}, not {packing!r}")
         model.requires_grad_(False).eval()
         self.model = model
-        self.num_layers = model.config.num_hidden_layers
-        layers = _decoder_layers(model)
-        n = len(layers)
-        if not layer_ids or max(layer_ids) >= n or min(layer_ids) < EMBEDDINGS:
-            raise ValueError(f"layer ids {layer_ids} do not fit a target of {n} layers (-1: embeddings)")
-        self._all_layers = list(layers)
-        self._layer_types = getattr(model.config, "layer_types", None)
-        if truncate or heads_only:
-            keep = 0 if heads_only else max(layer_ids) + 1
-            _set_depth(model, self._all_layers[:keep], self._layer_types)
-            if heads_only:  # nothing will ever decode here: free the layers
-                self._all_layers = []
-        self.heads_only = heads_only
-        self._taps: dict[int, torch.Tensor] = {}
-        for i in set(layer_ids) if not heads_only else ():
-            module = self.embed_tokens if i == EMBEDDINGS else layers[i]
-            module.register_forward_hook(self._tap(i))
+        self.config = model.config.get_text_config()
+        self.decoder, attr, layers = decoder_layers(model)
+        self.num_layers = len(layers)
+        if not layer_ids or max(layer_ids) >= self.num_layers or min(layer_ids) < EMBEDDINGS:
+            raise ValueError(
+                f"layer ids {layer_ids} do not fit a target of {self.num_layers} layers (-1: embeddings)"
+            )
         self.layer_ids = list(layer_ids)
+        self.packing = packing
+        self.heads_only = heads_only
+        if heads_only:  # nothing will ever run the decoder here: free its layers
+            setattr(self.decoder, attr, nn.ModuleList())
+        self._taps: dict[int, torch.Tensor] = {}
+        self._stopping = False
+        self._last = max(layer_ids)
+        self._hooks = [
+            (self.embed_tokens if i == EMBEDDINGS else layers[i]).register_forward_hook(self._tap(i))
+            for i in (set(layer_ids) if not heads_only else ())
+        ]
+
+    def detach(self) -> None:
+        """Remove the tap hooks: the model is as it was loaded (a Target used once, e.g. for a probe)."""
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
 
     def require_taps(self, layer_ids: list[int]) -> None:
         """A drafter trained on `layer_ids` reads exactly this Target's taps, or this is an error."""
@@ -76,64 +132,92 @@ class Target:
     def _tap(self, i: int):
         def hook(_module, _inputs, output):
             self._taps[i] = output[0] if isinstance(output, tuple) else output
+            if self._stopping and i == self._last:
+                raise _Stop
 
         return hook
-
-    @contextlib.contextmanager
-    def full_depth(self):
-        """Temporarily the whole target again (a truncated Target keeps its later layers aside), e.g.
-        to measure serving acceptance with speculative decoding during training."""
-        if self.heads_only:
-            raise RuntimeError("this Target keeps only the embedding and lm_head (heads_only=True)")
-        kept = list(self.model.get_decoder().layers)
-        _set_depth(self.model, self._all_layers, self._layer_types)
-        try:
-            yield self
-        finally:
-            _set_depth(self.model, kept, self._layer_types)
 
     @property
     def device(self) -> torch.device:
         return self.model.device
 
     @property
-    def embed_tokens(self) -> nn.Embedding:
+    def embed_tokens(self) -> nn.Module:
         return self.model.get_input_embeddings()
 
     @property
     def lm_head(self) -> nn.Linear:
         return self.model.get_output_embeddings()
 
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The drafter's block input: rows of the target's embedding table, unscaled. The reference
+        package and the engines look the table up directly, so a scale the target's embedding module
+        applies in its forward (Gemma's sqrt(hidden_size)) is not part of a drafter's input."""
+        return F.embedding(input_ids, self.embed_tokens.weight)
+
     @torch.no_grad()
-    def features(
-        self,
-        input_ids: torch.Tensor,
-        position_ids: torch.Tensor | None = None,
-        attention_mask: torch.Tensor | None = None,
-    ) -> torch.Tensor:
+    def features(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Tapped layer outputs concatenated on the feature axis: [b, S, N*D].
 
-        attention_mask: None (causal), or a bool [b, 1, S, S] mask (True = attend), used as is,
-        e.g. to keep packed documents apart.
+        position_ids None: each row is one document at positions 0.. (plain causal attention). Given,
+        they restart at 0 in each document of a packed row, which keeps the documents apart
+        (`packing`); padding sits at position 0 and sees only itself.
         """
         if self.heads_only:
             raise RuntimeError("this Target keeps only the embedding and lm_head (heads_only=True)")
-        mask = {"full_attention": attention_mask} if attention_mask is not None else None
+        return self._features(self.packing, position_ids, input_ids=input_ids)
+
+    def _features(self, packing: str, position_ids: torch.Tensor | None, **inputs) -> torch.Tensor:
+        """One forward up to the last tapped layer, from `input_ids` or `inputs_embeds`."""
         self._taps.clear()
-        self.model.get_decoder()(
-            input_ids=input_ids, position_ids=position_ids, attention_mask=mask, use_cache=False
-        )
+        if packing == "masks" and position_ids is not None and "input_ids" in inputs:
+            inputs["inputs_embeds"] = self.embed_tokens(inputs.pop("input_ids"))  # the mask builders need it
+        if "inputs_embeds" in inputs:  # what the embedding's tap sees when the model embeds the ids itself
+            self._taps[EMBEDDINGS] = inputs["inputs_embeds"]
+        kwargs = {}
+        if packing == "masks" and position_ids is not None:
+            kwargs["attention_mask"] = self._masks(inputs["inputs_embeds"], position_ids)
+        self._stopping = True
+        try:
+            self.decoder(**inputs, position_ids=position_ids, use_cache=False, **kwargs)
+        except _Stop:
+            pass
+        finally:
+            self._stopping = False
         return self._collect()
+
+    def mask_kinds(self) -> set[str] | None:
+        """The model's attention kinds when transformers can build a mask for each of them, else None."""
+        kinds = set(layer_kinds(self.config))
+        return kinds if kinds <= _mask_builders().keys() else None
+
+    def _masks(self, embeds: torch.Tensor, position_ids: torch.Tensor) -> dict:
+        """Per layer kind, the mask transformers builds for packed sequences from the position ids."""
+        builders = _mask_builders()
+        return {
+            kind: builders[kind](self.config, embeds, None, None, position_ids) for kind in self.mask_kinds()
+        }
+
+    def leaks(self, packing: str, length: int = 16) -> bool:
+        """Whether, packed under `packing`, the second of two documents in a row depends on the first."""
+        vocab = self.embed_tokens.weight.shape[0]
+        g = torch.Generator().manual_seed(0)
+        ids = torch.randint(0, vocab, (1, 2 * length), generator=g).to(self.device)
+        positions = torch.arange(length, device=self.device).repeat(2)[None]
+        with torch.enable_grad():
+            embeds = self.embed_tokens(ids).detach().requires_grad_(True)
+            feats = self._features(packing, positions, inputs_embeds=embeds)
+            (grad,) = torch.autograd.grad(feats[:, length:].float().sum(), embeds)
+        return bool(grad[:, :length].ne(0).any())
 
     @torch.no_grad()
     def decode(
         self, input_ids: torch.Tensor, past_key_values=None, logits_to_keep: int = 0
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One forward of the FULL model with a KV cache (speculative decoding): (logits, features).
+        """One forward of the whole model with a KV cache (speculative decoding): (logits, features).
 
-        Needs the whole target (truncate=False, or inside `full_depth()`). `past_key_values` (a
-        transformers Cache) is updated. logits_to_keep=1 (a prefill) computes the last position's
-        logits only; 0 keeps all.
+        `past_key_values` (a transformers Cache) is updated. logits_to_keep=1 (a prefill) computes the
+        last position's logits only; 0 keeps all.
         """
         self._taps.clear()
         out = self.model(
@@ -149,16 +233,76 @@ class Target:
         self._taps.clear()
         return torch.cat(feats, dim=-1)
 
+    def describe(self) -> str:
+        """The start-up line: which model, which attention and experts code, how rows are packed."""
+        kinds = layer_kinds(self.config)
+        counts = ", ".join(f"{kinds.count(k)} {k}" for k in dict.fromkeys(kinds))
+        parts = [
+            f"target {type(self.model).__name__} ({self.num_layers} layers: {counts})",
+            f"attention {self.config._attn_implementation}",
+        ]
+        experts = getattr(self.config, "_experts_implementation", None)
+        if experts and _has_experts(self.model):
+            parts.append(f"experts {experts}")
+        parts.append(f"packed rows: {PACKING_LINES[self.packing]}")
+        return "; ".join(parts)
+
+
+PACKING_LINES = {
+    "positions": "documents kept apart by position ids",
+    "masks": "documents kept apart by per-layer masks built from position ids",
+    "one_document": "one document per row",
+}
+
+
+def _has_experts(model: nn.Module) -> bool:
+    return any(type(m).__name__.endswith("Experts") for m in model.modules())
+
+
+def choose_packing(model: PreTrainedModel, layer_ids: list[int]) -> str:
+    """The first packing under which the documents of a row do not see each other (module docstring),
+    probed on the forward that training runs (up to the last of `layer_ids`)."""
+    probe = Target(model, layer_ids)
+    try:
+        if not probe.leaks("positions"):
+            return "positions"
+        if probe.mask_kinds() is not None:
+            try:
+                if not probe.leaks("masks"):
+                    return "masks"
+            except (TypeError, AttributeError, KeyError, ValueError):  # the model takes no mask mapping
+                pass
+        return "one_document"
+    finally:
+        probe.detach()
+
+
+ATTENTION_CHOICES = ("auto", "sdpa", "eager", "flex_attention", "flash_attention_2", "flash_attention_3")
+
 
 def load_target(
-    path_or_id: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None
+    path_or_id: str | Path,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype | None = None,
+    attention: str = "auto",
 ) -> tuple[PreTrainedModel, object]:
-    """Load (model, tokenizer) from a local directory or a hub id: frozen, eval, bf16 on GPU and
-    fp32 on CPU unless `dtype` says otherwise."""
+    """Load (model, tokenizer) from a local directory or a hub id: frozen, eval, bf16 on GPU and fp32 on
+    CPU unless `dtype` says otherwise.
+
+    attention: "auto" takes the model's own choice, which transformers makes per model class: sdpa where
+    the model supports it, else eager (gpt-oss); `Target.describe` says which runs. Any other name is
+    required as given (transformers refuses one the model does not support).
+    """
     device = torch.device(device)
     if dtype is None:
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    model = AutoModelForCausalLM.from_pretrained(str(path_or_id), dtype=dtype, attn_implementation="sdpa")
+    kwargs = {} if attention == "auto" else {"attn_implementation": attention}
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(path_or_id), dtype=dtype, **kwargs)
+    except ValueError as e:
+        if attention != "auto" and attention in str(e):
+            raise ValueError(f"{path_or_id}: attention {attention!r} is not supported here: {e}") from e
+        raise
     model.to(device)
     tokenizer = AutoTokenizer.from_pretrained(str(path_or_id))
     return model, tokenizer

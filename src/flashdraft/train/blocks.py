@@ -285,13 +285,3 @@ def dense_visibility(anchors: Anchors, doc_ids: torch.Tensor, block_size: int) -
             mask[r, 0, rows, :a] = same_doc_before
             mask[r, 0, rows, s + j * block_size : s + (j + 1) * block_size] = True
     return mask
-
-
-def packed_causal_mask(doc_ids: torch.Tensor) -> torch.Tensor:
-    """bool [b, 1, S, S] for the target: causal within a document. Padding attends to itself only
-    (a row with no key would give NaN in some attention kernels)."""
-    s = doc_ids.shape[1]
-    causal = torch.ones(s, s, dtype=torch.bool, device=doc_ids.device).tril()
-    same = doc_ids[:, :, None] == doc_ids[:, None, :]
-    eye = torch.eye(s, dtype=torch.bool, device=doc_ids.device)
-    return ((same & causal & (doc_ids[:, :, None] >= 0)) | eye)[:, None]

@@ -16,7 +16,6 @@ from flashdraft.train.blocks import (
     every_anchor,
     flex_block_mask,
     make_blocks,
-    packed_causal_mask,
     sample_anchors,
 )
 from flashdraft.train.loss import BlockLoss, block_loss
@@ -93,10 +92,10 @@ def visibility_for(mb: MicroBatch, block_size: int, attention: str, compiled: bo
 
 
 def target_features(target: Target, batch: PackedBatch, plain_causal: bool = False) -> torch.Tensor:
-    """plain_causal: every row is one document with no padding (checked on the host by the caller),
-    so the target can run its causal kernel (flash) instead of an explicit document mask."""
-    mask = None if plain_causal else packed_causal_mask(batch.doc_ids)
-    return target.features(batch.input_ids, batch.position_ids, mask)
+    """The target keeps the documents of a row apart by their position ids (`Target.packing`).
+    plain_causal: every row is one document with no padding (checked on the host by the caller), so the
+    target runs its plain causal kernel (flash), with no mask to build and no host sync."""
+    return target.features(batch.input_ids, None if plain_causal else batch.position_ids)
 
 
 def micro_step_loss(
@@ -122,7 +121,7 @@ def micro_step_loss(
         vis = visibility_for(mb, mb.blocks.labels.shape[-1], attention, compiled)
     with timer("drafter_forward"):
         with torch.no_grad():  # the block's input: the target's (frozen) token embeddings
-            block_embeds = target.embed_tokens(mb.blocks.input_ids).to(feats.dtype)
+            block_embeds = target.embed(mb.blocks.input_ids).to(feats.dtype)
         hidden = drafter(block_embeds, mb.blocks.positions, None, vis, feats, mb.batch.position_ids)
     with timer("loss_forward"):
         return block_loss(

@@ -32,7 +32,7 @@ from flashdraft.model.checkpoint import (
     save_checkpoint,
 )
 from flashdraft.model.drafter import DFlashDrafter, drafter_config
-from flashdraft.model.target import Target, load_target
+from flashdraft.model.target import Target, choose_packing, decoder_layers, load_target
 from flashdraft.run.fingerprint import ENV_FILE, fingerprint
 from flashdraft.train.blocks import default_gamma, row_generators, walk_lengths
 from flashdraft.train.compile import (
@@ -165,9 +165,14 @@ def build_drafter(cfg: TrainConfig, model, tokenizer, device) -> DFlashDrafter:
         block_size=spec.block_size,
         mask_token_id=mask_id,
         intermediate_size=spec.intermediate_size,
+        num_attention_heads=spec.num_attention_heads,
+        num_key_value_heads=spec.num_key_value_heads,
+        head_dim=spec.head_dim,
+        rope_theta=spec.rope_theta,
     )
     drafter = DFlashDrafter(dcfg).to(device=device, dtype=torch.float32)
-    init_drafter_(drafter, model.config.initializer_range, seed=cfg.seed)
+    std = getattr(model.config.get_text_config(), "initializer_range", None) or 0.02
+    init_drafter_(drafter, std, seed=cfg.seed)
     return drafter
 
 
@@ -224,13 +229,21 @@ def build_trainer(
         restore_run(s3_url, Path(out_dir))
     topo.barrier()
     torch.manual_seed(cfg.seed)
-    model, tokenizer = load_target(target_path, topo.device)
+    model, tokenizer = load_target(target_path, topo.device, attention=cfg.target_attention)
+    drafter = build_drafter(cfg, model, tokenizer, topo.device)
+    asked = cfg.data.one_document_per_row
+    packing = "one_document" if asked else choose_packing(model, drafter.target_layer_ids)
+    if packing == "one_document" and not asked and topo.is_main:
+        print(
+            "the target's layers carry state across packed documents (no mask keeps them apart): "
+            "training rows hold one document each",
+            flush=True,
+        )
     pad = cfg.data.pad_token_id
     if pad is None:
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    loader = PackedLoader(
-        load_token_dataset(data_dir), cfg.data.seq_len, cfg.data.rows_per_batch, pad, cfg.seed
-    )
+    rows = (cfg.data.seq_len, cfg.data.rows_per_batch, pad, cfg.seed, packing == "one_document")
+    loader = PackedLoader(load_token_dataset(data_dir), *rows)
     stream = MicroBatchStream(loader, cfg.epochs)
     per_step = cfg.grad_accum * topo.num_drafters
     if len(stream) < per_step:
@@ -238,23 +251,20 @@ def build_trainer(
             f"{data_dir}: too little data for one step ({len(stream)} batches, {per_step} needed)"
         )
     total_steps = cfg.max_steps or len(stream) // per_step
-    drafter = build_drafter(cfg, model, tokenizer, topo.device)
     if cfg.eval_every and topo.layout.kind == "split":
         raise ValueError("eval_every needs the whole target on the drafter rank: use the colocated layout")
     val = None
     if cfg.val_data:
         if topo.layout.kind == "split":
             raise ValueError("val_data needs the target on the drafter ranks: use the colocated layout")
-        val = PackedLoader(
-            load_token_dataset(cfg.val_data), cfg.data.seq_len, cfg.data.rows_per_batch, pad, cfg.seed
-        )
+        val = PackedLoader(load_token_dataset(cfg.val_data), *rows)
         if val.batches_in_epoch(0) == 0:
             raise ValueError(
                 f"val_data {cfg.val_data}: too little for one micro-batch of "
                 f"{cfg.data.rows_per_batch} x {cfg.data.seq_len} tokens"
             )
     meta = {"target": str(target_path)}
-    trainer = Trainer(cfg, model, drafter, stream, total_steps, topo, out_dir, meta, resume)
+    trainer = Trainer(cfg, model, drafter, stream, total_steps, topo, out_dir, meta, resume, packing)
     trainer.val_loader = val
     if s3_url and topo.is_main:
         from flashdraft.run.s3 import S3Mirror
@@ -281,17 +291,19 @@ class Trainer:
         out_dir: str | Path | None = None,
         meta: dict | None = None,
         resume: bool = False,
+        packing: str = "positions",
     ):
+        """packing: how the rows of `stream` hold documents (`flashdraft.model.target.choose_packing`)."""
         self.cfg = cfg
         self.topo = topo or Topology(device=next(drafter.parameters()).device)
         self.device = self.topo.device
         self.drafter = drafter
-        self.feature_dim = len(drafter.target_layer_ids) * model.config.hidden_size
+        self.feature_dim = len(drafter.target_layer_ids) * model.config.get_text_config().hidden_size
         self.feature_dtype = next(model.parameters()).dtype
         # drafter-only ranks of a split layout keep just the embedding and lm_head of the target
-        self.target = Target(
-            model, drafter.target_layer_ids, truncate=True, heads_only=not self.topo.is_target
-        )
+        self.target = Target(model, drafter.target_layer_ids, not self.topo.is_target, packing)
+        if self.topo.is_main:
+            print(self.target.describe(), flush=True)
         self.stream = stream
         self.total_steps = total_steps
         self.out = Path(out_dir) if out_dir else None
@@ -309,7 +321,7 @@ class Trainer:
                 layer.compile(dynamic=False)
             if self.compile_target and self.topo.is_target:
                 # forward only: the tap hooks stay eager; decoding (tau) runs eagerly anyway
-                for layer in self.target.model.get_decoder().layers:
+                for layer in decoder_layers(self.target.model)[2]:
                     layer.forward = torch.compile(layer.forward, dynamic=False)
         self.model = parallelize(drafter, self.topo, cfg.fsdp)
         if cfg.fsdp and self.topo.is_main:
@@ -645,10 +657,10 @@ class Trainer:
         new_tokens = self.cfg.eval_max_new_tokens
         if self.cfg.eval_cuda_graphs:  # graphs need weights that stay put: a copy, as a served export
             drafter = self.served_copy()
-            with self.target.full_depth(), torch.compiler.set_stance("force_eager"):
+            with torch.compiler.set_stance("force_eager"):
                 tau = eval_tau(self.target, tokenizer, drafter, prompts, new_tokens, cuda_graphs=True)
         else:
-            with self.target.full_depth(), self._autocast(), torch.compiler.set_stance("force_eager"):
+            with self._autocast(), torch.compiler.set_stance("force_eager"):
                 tau = eval_tau(self.target, tokenizer, self.drafter, prompts, new_tokens)
         return {"tau": tau, "tau_eval_s": time.perf_counter() - t0}
 
