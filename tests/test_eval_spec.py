@@ -31,7 +31,7 @@ from flashdraft.model.target import Target
 from flashdraft.train.blocks import walk_lengths
 from flashdraft.train.step import acceptance_map, micro_step_loss, plan_micro_batch, target_features
 from flashdraft.train.trainer import init_drafter_
-from helpers import BLOCK, GAMMA, MASK_ID, VOCAB, tiny_drafter, tiny_target
+from helpers import BLOCK, GAMMA, VOCAB, tiny_drafter, tiny_target
 
 NEW_TOKENS = 40
 
@@ -49,13 +49,12 @@ def tiny_setup() -> SimpleNamespace:
     target = Target(model, trained.target_layer_ids)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, VOCAB - 1, (10,), generator=g).tolist() for _ in range(6)]
-    _train_on_continuations(trained, target, prompts)
+    train_on_continuations(trained, target, prompts)
     return SimpleNamespace(model=model, target=target, untrained=untrained, trained=trained, prompts=prompts)
 
 
-def _train_on_continuations(
-    drafter: DFlashDrafter, target: Target, prompts: list[list[int]], steps: int = 80
-):
+def train_on_continuations(drafter: DFlashDrafter, target: Target, prompts: list[list[int]], steps: int = 80):
+    """Fit `drafter` to the target's greedy continuations of `prompts` (a few seconds on CPU)."""
     docs = []
     for p in prompts:
         out = generate(target, torch.tensor([p]), 70).tokens
@@ -65,7 +64,7 @@ def _train_on_continuations(
     anchors = torch.Generator().manual_seed(1)
     drafter.train()
     for _ in range(steps):
-        mb = plan_micro_batch(batch, 24, BLOCK, MASK_ID, GAMMA, anchors)
+        mb = plan_micro_batch(batch, 24, drafter.block_size, drafter.mask_token_id, GAMMA, anchors)
         out = micro_step_loss(drafter, target, mb, "dense")
         (out.weighted_ce / mb.blocks.weights.sum()).backward()
         opt.step()
@@ -180,12 +179,11 @@ def test_eval_tau_on_a_bare_model_wraps_it_once():
     assert decoding_target(s.model, s.trained) is decoding_target(s.model, s.trained)
 
 
-def test_eval_tau_refuses_a_truncated_training_target():
-    model = tiny_target()
-    drafter = tiny_drafter(model)
-    truncated = Target(model, drafter.target_layer_ids, truncate=True)
-    with pytest.raises(ValueError, match="full target"):
-        eval_tau(truncated, None, drafter, [[1, 2, 3]], max_new_tokens=4)
+def test_eval_tau_refuses_a_target_of_another_depth_than_the_drafters():
+    drafter = tiny_drafter(tiny_target())
+    shallower = Target(tiny_target(layers=5), drafter.target_layer_ids)
+    with pytest.raises(ValueError, match="trained on a target of 6"):
+        eval_tau(shallower, None, drafter, [[1, 2, 3]], max_new_tokens=4)
 
 
 def test_prompt_lookup_copies_the_continuation_of_the_longest_earliest_match():

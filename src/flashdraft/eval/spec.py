@@ -24,6 +24,7 @@ transformers' `generate` has no hook for a drafter fed by target hidden states, 
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import time
@@ -89,21 +90,39 @@ def new_cache(model: PreTrainedModel) -> DynamicCache:
 
 class DynamicTarget:
     """The target's forwards on a DynamicCache, cropped to the kept tokens after each cycle (the
-    interface of flashdraft.eval.static.StaticTarget)."""
+    interface of flashdraft.eval.static.StaticTarget).
+
+    A cache with a layer that cannot be cropped (the recurrent state of a linear-attention layer:
+    Qwen3-Next, Qwen3.5) is copied before each verify instead; when drafts are rejected the copy comes
+    back and the target runs the kept tokens again, so the state is the one plain decoding would have.
+    That costs a copy per cycle and a second forward per rejecting cycle, as any engine without
+    per-token state snapshots pays: the acceptance is exact, the timing of such a target is that.
+    """
 
     def __init__(self, target: Target):
         self.target = target
         self.cache: DynamicCache | None = None
+        self.before: DynamicCache | None = None  # the cache before the last verify, where not croppable
+        self.block: torch.Tensor | None = None
 
     def prefill(self, prompt_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         self.cache = new_cache(self.target.model)
         return self.target.decode(prompt_ids, self.cache, logits_to_keep=1)
 
     def forward(self, block: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
+        layers = getattr(self.cache, "layers", [None])
+        croppable = all(getattr(layer, "is_croppable", False) for layer in layers)
+        self.before = None if croppable else copy.deepcopy(self.cache)
+        self.block = block
         return self.target.decode(block, self.cache)
 
     def keep(self, kept: int, width: int) -> None:
-        self.cache.crop(kept - width)
+        if self.before is not None and kept < width:
+            self.cache = self.before
+            self.target.decode(self.block[:, :kept], self.cache)
+        # crop(0) trims the states a recording cache kept for a crop (conv states, sliding windows)
+        self.cache.crop(kept - width if self.before is None else 0)
+        self.before = self.block = None
 
 
 def _clock(device: torch.device) -> float:
@@ -276,7 +295,8 @@ _WRAPPED: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
 
 def decoding_target(target: Target | PreTrainedModel, drafter: DFlashDrafter) -> Target:
-    """A full (not truncated) Target that taps the drafter's layers; a bare model is wrapped once."""
+    """A Target that taps the drafter's layers, on a target of the drafter's shape; a bare model is wrapped
+    once."""
     if isinstance(target, Target):
         target.require_taps(drafter.target_layer_ids)
         model = target.model
@@ -287,14 +307,12 @@ def decoding_target(target: Target | PreTrainedModel, drafter: DFlashDrafter) ->
         if target is None or target.model is not model:
             target = _WRAPPED[key] = Target(model, drafter.target_layer_ids)
     depth, width = int(drafter.config.num_target_layers), drafter.config.hidden_size
-    if model.config.hidden_size != width:
+    text = model.config.get_text_config()
+    if text.hidden_size != width:
+        raise ValueError(f"the target's width is {text.hidden_size}, the drafter was trained on {width}")
+    if text.num_hidden_layers != depth:
         raise ValueError(
-            f"the target's width is {model.config.hidden_size}, the drafter was trained on {width}"
-        )
-    if model.config.num_hidden_layers != depth:
-        raise ValueError(
-            f"the target has {model.config.num_hidden_layers} layers, the drafter was trained on {depth}: "
-            "speculative decoding needs the full target (a Target built with truncate=True drops layers)"
+            f"the target has {text.num_hidden_layers} layers, the drafter was trained on a target of {depth}"
         )
     return target
 

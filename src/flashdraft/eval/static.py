@@ -30,6 +30,7 @@ from collections.abc import Callable
 
 import torch
 from transformers import StaticCache
+from transformers.cache_utils import StaticLayer
 
 from flashdraft.model.drafter import DFlashDrafter, Visibility
 from flashdraft.model.target import Target
@@ -44,7 +45,7 @@ def draft_block(
     visibility: Visibility,
 ) -> torch.Tensor:
     """Drafts for slots 1.. of `block` [1, w]: one drafter forward, argmax of the target's lm_head."""
-    embeds = target.embed_tokens(block).to(drafter.fc.weight.dtype)
+    embeds = target.embed(block).to(drafter.fc.weight.dtype)
     hidden = drafter(embeds, positions, kv, visibility)
     head = target.lm_head
     return head(hidden[:, 1:].to(head.weight.dtype)).argmax(-1)
@@ -87,15 +88,18 @@ class StaticTarget:
     """The target's forwards on a StaticCache of `max_len` positions: prefill, then blocks at a position."""
 
     def __init__(self, target: Target, max_len: int, graphs: Graphs):
-        config = target.model.config
-        if any(t != "full_attention" for t in getattr(config, "layer_types", None) or []):
+        self.cache = StaticCache(config=target.model.config, max_cache_len=max_len)
+        other = sorted(
+            {type(layer).__name__ for layer in self.cache.layers if type(layer) is not StaticLayer}
+        )
+        if other:
             raise ValueError(
-                "static decoding needs full attention in every layer (a sliding-window layer's static "
-                "cache is a ring that positions cannot rewind); decode without cuda_graphs"
+                f"static decoding needs a plain static KV cache in every layer; this target's has {other} "
+                "(a sliding-window layer's static cache is a ring and a linear-attention layer's state a "
+                "running sum, neither of which a write position can rewind): decode without cuda_graphs"
             )
         self.target = target
         self.graphs = graphs
-        self.cache = StaticCache(config=config, max_cache_len=max_len)
         self.start = torch.zeros((), dtype=torch.long, device=target.device)
         self.inputs: dict[int, torch.Tensor] = {}
 
