@@ -372,8 +372,11 @@ def test_local_backend_attention_is_grouped_named_or_kept(tiny_target_dir):
     assert model.config._attn_implementation == "eager"
     assert eager.regenerate([messages]) == [expected]
     with pytest.raises(ValueError, match="needs the model on transformers' sdpa attention, not 'eager'"):
-        LocalBackend(model, tokenizer, max_new_tokens=6)  # grouped, the default
+        LocalBackend(model, tokenizer, max_new_tokens=6, attention="grouped")
+    # auto, the default: grouped on sdpa, the model's own otherwise (gpt-oss refuses sdpa), named
+    assert LocalBackend(model, tokenizer, max_new_tokens=6).attention_name == "eager"
     model.set_attn_implementation("sdpa")
+    assert LocalBackend(model, tokenizer, max_new_tokens=6).attention_name == "grouped_decode_matmul"
     with pytest.raises(ValueError, match="kernel must be one of"):
         LocalBackend(model, tokenizer, max_new_tokens=6, attention="grouped_flash")
 

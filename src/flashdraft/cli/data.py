@@ -126,10 +126,11 @@ def regenerate(
         "dynamic", help="local: dynamic, or static (compiled decoding step, CUDA graphs on a GPU)"
     ),
     attention: str = typer.Option(
-        "grouped",
+        "auto",
         help="local: grouped (one query token's heads grouped under their key/value head; grouped_sdpa: "
         "the same on SDPA; grouped_matmul_t: its products transposed), or "
-        "a transformers attention implementation (sdpa, eager, flex_attention, ...), or model (as loaded)",
+        "a transformers attention implementation (sdpa, eager, flex_attention, ...), or model (as loaded); "
+        "auto: grouped where the model runs sdpa, else the model's own (eager for gpt-oss)",
     ),
     chat_template: Path | None = typer.Option(None, help="local: Jinja chat template file"),
     device: str | None = typer.Option(None, help="local: torch device (default: cuda when visible)"),
@@ -176,6 +177,7 @@ def regenerate(
                 attention=None if attention == "model" else attention,
                 chat_template=_read_template(chat_template),
             )
+            typer.echo(f"regenerating with attention {engine.attention_name}", err=True)
         summary = regenerate_file(engine, input, out, split=split, limit=limit, progress=progress)
     except (OSError, ValueError, SourceError) as e:
         _fail(str(e))

@@ -217,11 +217,12 @@ class LocalBackend:
     outputs equal the dynamic cache's up to the compiled kernels' rounding: 65% of 8192 conversations
     of 128 tokens were equal.
 
-    attention="grouped" (the default) decodes with flashdraft.model.grouped_attention, grouped-query
-    attention without copying the cache to every query head (its matmul kernel; "grouped_sdpa": its
-    SDPA kernel). Both need the model on transformers' sdpa. Another name sets
-    that transformers attention implementation (sdpa, eager, flex_attention, ...); None keeps the
-    model's own.
+    attention="grouped" decodes with flashdraft.model.grouped_attention, grouped-query attention
+    without copying the cache to every query head (its matmul kernel; "grouped_sdpa": its SDPA kernel).
+    Both need the model on transformers' sdpa. "auto" (the default) is grouped for a model on sdpa and
+    the model's own attention otherwise (gpt-oss refuses sdpa: eager); `attention_name` says which
+    runs. Another name sets that transformers attention implementation (sdpa, eager, flex_attention,
+    ...); None keeps the model's own.
     """
 
     PAD_MULTIPLE = 32
@@ -236,7 +237,7 @@ class LocalBackend:
         batch_size: int = 8,
         enable_thinking: bool | None = None,
         cache: str = "dynamic",
-        attention: str | None = "grouped",
+        attention: str | None = "auto",
     ):
         from transformers import GenerationConfig
 
@@ -244,6 +245,8 @@ class LocalBackend:
             raise ValueError(f"cache must be one of {self.CACHES}, not {cache!r}")
         self.cache = cache
         self.model = model.eval()
+        if attention == "auto":
+            attention = "grouped" if self.model.config._attn_implementation == "sdpa" else None
         if attention is not None and attention.startswith("grouped"):
             kernel = attention.removeprefix("grouped").lstrip("_") or "matmul"
             if not use_grouped_attention(self.model, kernel):
@@ -253,6 +256,7 @@ class LocalBackend:
                 )
         elif attention is not None:
             self.model.set_attn_implementation(attention)
+        self.attention_name = self.model.config._attn_implementation
         self.tokenizer = tokenizer
         self.batch_size = batch_size
         self.template_kwargs = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
