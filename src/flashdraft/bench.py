@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass, field
 
 import torch
-from transformers import Qwen3Config, Qwen3ForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
 from flashdraft.config import TrainConfig, resolve_config
 from flashdraft.data.packing import PackedBatch
@@ -26,41 +26,60 @@ from flashdraft.train.trainer import Trainer, init_drafter_
 
 QWEN3_VOCAB = 151936
 QWEN3_MASK_ID = 151669
+_QWEN3 = dict(
+    model_type="qwen3",
+    rms_norm_eps=1e-6,
+    max_position_embeddings=40960,
+    rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+)
 
-# Published Qwen3 shapes (config.json of the Qwen3 releases).
+# Published shapes (config.json of the releases); "tiny" and "proof-95m" are ours.
 SHAPES: dict[str, dict] = {
-    "tiny": dict(hidden_size=64, intermediate_size=192, num_hidden_layers=6, num_attention_heads=4,
+    "tiny": dict(_QWEN3, hidden_size=64, intermediate_size=192, num_hidden_layers=6, num_attention_heads=4,
                  num_key_value_heads=2, head_dim=16, vocab_size=512, tie_word_embeddings=False),
     # the target scripts/real_target_proof.py trains (flashdraft.demo.pipeline.H200)
-    "proof-95m": dict(hidden_size=768, intermediate_size=2304, num_hidden_layers=12, num_attention_heads=12,
-                      num_key_value_heads=4, head_dim=64, vocab_size=8192, tie_word_embeddings=False),
-    "qwen3-0.6b": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
-                       num_key_value_heads=8, head_dim=128, vocab_size=QWEN3_VOCAB, tie_word_embeddings=True),
-    "qwen3-4b": dict(hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32,
-                     num_key_value_heads=8, head_dim=128, vocab_size=QWEN3_VOCAB, tie_word_embeddings=True),
-    "qwen3-8b": dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
-                     num_key_value_heads=8, head_dim=128, vocab_size=QWEN3_VOCAB, tie_word_embeddings=False),
+    "proof-95m": dict(_QWEN3, hidden_size=768, intermediate_size=2304, num_hidden_layers=12,
+                      num_attention_heads=12, num_key_value_heads=4, head_dim=64, vocab_size=8192,
+                      tie_word_embeddings=False),
+    "qwen3-0.6b": dict(_QWEN3, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                       num_attention_heads=16, num_key_value_heads=8, head_dim=128, vocab_size=QWEN3_VOCAB,
+                       tie_word_embeddings=True),
+    "qwen3-4b": dict(_QWEN3, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
+                     num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=QWEN3_VOCAB,
+                     tie_word_embeddings=True),
+    "qwen3-8b": dict(_QWEN3, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                     num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=QWEN3_VOCAB,
+                     tie_word_embeddings=False),
+    # Qwen3-30B-A3B: 128 experts of 768, 8 per token
+    "qwen3-30b-a3b": dict(_QWEN3, model_type="qwen3_moe", hidden_size=2048, intermediate_size=6144,
+                          num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                          vocab_size=QWEN3_VOCAB, tie_word_embeddings=False, moe_intermediate_size=768,
+                          num_experts=128, num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1,
+                          mlp_only_layers=[]),
+    # Llama-3.1-8B: 128,256-token vocabulary, Llama 3 RoPE scaling
+    "llama3-8b": dict(model_type="llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                      num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=128256,
+                      rms_norm_eps=1e-5, max_position_embeddings=131072, tie_word_embeddings=False,
+                      rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                                       "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                       "original_max_position_embeddings": 8192}),
 }  # fmt: skip
 
 
-def shape_config(name: str) -> Qwen3Config:
+def shape_config(name: str) -> PretrainedConfig:
     if name not in SHAPES:
         raise ValueError(f"unknown shape {name!r}; choose one of {sorted(SHAPES)}")
-    return Qwen3Config(
-        **SHAPES[name],
-        rms_norm_eps=1e-6,
-        max_position_embeddings=40960,
-        rope_parameters={"rope_type": "default", "rope_theta": 1e6},
-    )
+    fields = dict(SHAPES[name])
+    return AutoConfig.for_model(fields.pop("model_type"), **fields)
 
 
-def random_target(cfg: Qwen3Config, device: torch.device, dtype: torch.dtype) -> Qwen3ForCausalLM:
+def random_target(cfg: PretrainedConfig, device: torch.device, dtype: torch.dtype) -> PreTrainedModel:
     """Random weights (never zeros: timing on zeros flatters the hardware)."""
     default = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            model = Qwen3ForCausalLM(cfg)
+            model = AutoModelForCausalLM.from_config(cfg)
     finally:
         torch.set_default_dtype(default)
     with torch.no_grad():
@@ -215,6 +234,10 @@ def run_bench(
             "compiled": trainer.compiled,
             "compile_target": trainer.compile_target,
             "attention": trainer.attention,
+            "target_attention": trainer.target.config._attn_implementation,
+            "experts": getattr(trainer.target.config, "_experts_implementation", None)
+            if _moe(tcfg)
+            else None,
             "drafter_layers": drafter_layers,
             "target_layers_run": kept,
         },
@@ -224,6 +247,10 @@ def run_bench(
         target_busy=r["target_busy"],
         ranks=ranks,
     )
+
+
+def _moe(cfg) -> bool:
+    return bool(getattr(cfg, "num_experts", None) or getattr(cfg, "num_local_experts", None))
 
 
 def _drafter_bench(trainer: Trainer, dev: torch.device, steps: int, warmup: int) -> dict:

@@ -10,7 +10,8 @@ from __future__ import annotations
 import time
 
 import torch
-from transformers import Qwen3Config
+
+from flashdraft.model.target import layer_kinds
 
 
 def matmul_tflops(device: torch.device, n: int = 8192, iters: int = 10) -> float:
@@ -36,24 +37,45 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def _layer_matmul_params(c: Qwen3Config, intermediate: int | None = None) -> int:
-    d, hd = c.hidden_size, c.head_dim
-    attn = d * hd * (2 * c.num_attention_heads + 2 * c.num_key_value_heads)
-    return attn + 3 * d * (intermediate or c.intermediate_size)
+def layer_matmul_params(c, active: bool = True) -> int:
+    """Matmul weights of one decoder layer of text config `c`: attention projections and the MLP; of a
+    mixture of experts, the experts one token runs (`active`) or all of them, plus router and shared
+    experts. Linear-attention layers are counted as attention layers of the same shape."""
+    d, heads = c.hidden_size, c.num_attention_heads
+    kv = getattr(c, "num_key_value_heads", None) or heads
+    hd = getattr(c, "head_dim", None) or d // heads
+    attn = d * hd * (2 * heads + 2 * kv)
+    experts = getattr(c, "num_experts", None) or getattr(c, "num_local_experts", None) or 0
+    if not experts:
+        return attn + 3 * d * c.intermediate_size
+    expert = 3 * d * (getattr(c, "moe_intermediate_size", None) or c.intermediate_size)
+    shared = 3 * d * (getattr(c, "shared_expert_intermediate_size", None) or 0)
+    return attn + (c.num_experts_per_tok if active else experts) * expert + shared + d * experts
+
+
+def mean_keys(c, layer: int, seq_len: int) -> float:
+    """Keys a query attends to on average in layer `layer` of a causal row of `seq_len` tokens."""
+    window = getattr(c, "sliding_window", None)
+    if layer_kinds(c)[layer] != "sliding_attention" or not window or window >= seq_len:
+        return (seq_len + 1) / 2
+    return window - window * (window - 1) / (2 * seq_len)
 
 
 def step_flops(
-    target_cfg: Qwen3Config, drafter_cfg, kept_layers: int, seq_len: int, positions: int, head_positions: int
+    target_cfg, drafter_cfg, kept_layers: int, seq_len: int, positions: int, head_positions: int
 ) -> dict:
     """Model FLOPs of one row (docs/perf.md): target forward to the last tapped layer, drafter
     forward + backward over `positions` query positions, lm_head forward + input gradient, and the
     per-context-token fc and context K/V (forward + backward). `head_positions`: query positions
-    that go through the lm_head (slot 0 of each block does not)."""
-    c, dc = target_cfg, drafter_cfg
-    qd = c.num_attention_heads * c.head_dim
-    target = seq_len * kept_layers * (2 * _layer_matmul_params(c) + 4 * (seq_len / 2) * qd)
-    per_pos = 6 * _layer_matmul_params(dc) * dc.num_hidden_layers
-    per_pos += 3 * 4 * qd * (seq_len / 2) * dc.num_hidden_layers
+    that go through the lm_head (slot 0 of each block does not). A mixture-of-experts target counts
+    the experts each token runs."""
+    c, dc = target_cfg.get_text_config(), drafter_cfg
+    qd = c.num_attention_heads * (getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads)
+    per_layer = 2 * layer_matmul_params(c)
+    target = seq_len * sum(per_layer + 4 * mean_keys(c, i, seq_len) * qd for i in range(kept_layers))
+    draft_qd = dc.num_attention_heads * dc.head_dim
+    per_pos = 6 * layer_matmul_params(dc) * dc.num_hidden_layers
+    per_pos += 3 * 4 * draft_qd * (seq_len / 2) * dc.num_hidden_layers
     head = head_positions * 4 * c.hidden_size * c.vocab_size
     n_taps = len(dc.target_layer_ids)
     kv = 2 * c.hidden_size * dc.num_key_value_heads * dc.head_dim
