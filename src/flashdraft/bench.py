@@ -20,6 +20,7 @@ from flashdraft.config import TrainConfig, resolve_config
 from flashdraft.data.packing import PackedBatch
 from flashdraft.dist.topology import init_topology
 from flashdraft.model.drafter import DFlashDrafter, drafter_config
+from flashdraft.model.target import choose_packing
 from flashdraft.train.flops import matmul_tflops, step_flops, sync
 from flashdraft.train.timing import PhaseTimer
 from flashdraft.train.trainer import Trainer, init_drafter_
@@ -179,7 +180,11 @@ def run_bench(
     dcfg = drafter_config(tcfg, drafter_layers, None, cfg.drafter.num_taps, block_size, mask_id)
     drafter = DFlashDrafter(dcfg).to(dev)
     init_drafter_(drafter, 0.02, seed=0)
-    trainer = Trainer(cfg, model, drafter, SyntheticStream(cfg, tcfg.vocab_size), cfg.max_steps, topo)
+    t_probe = time.perf_counter()  # the probe `flashdraft train` starts with (these rows hold one document)
+    packing = choose_packing(model, dcfg.target_layer_ids)
+    probe_s = time.perf_counter() - t_probe
+    stream = SyntheticStream(cfg, tcfg.vocab_size)
+    trainer = Trainer(cfg, model, drafter, stream, cfg.max_steps, topo, packing=packing)
     del model  # a drafter rank of a split layout keeps only the target's embedding and lm_head
     kept = max(dcfg.target_layer_ids) + 1
     peak = matmul_tflops(dev) if topo.is_main else 0.0  # the only rate the result uses
@@ -235,9 +240,9 @@ def run_bench(
             "compile_target": trainer.compile_target,
             "attention": trainer.attention,
             "target_attention": trainer.target.config._attn_implementation,
-            "experts": getattr(trainer.target.config, "_experts_implementation", None)
-            if _moe(tcfg)
-            else None,
+            "experts": _experts(trainer.target.config),
+            "packing": packing,
+            "packing_probe_s": round(probe_s, 2),
             "drafter_layers": drafter_layers,
             "target_layers_run": kept,
         },
@@ -249,8 +254,10 @@ def run_bench(
     )
 
 
-def _moe(cfg) -> bool:
-    return bool(getattr(cfg, "num_experts", None) or getattr(cfg, "num_local_experts", None))
+def _experts(cfg) -> str | None:
+    """The experts implementation of a mixture-of-experts target (transformers' grouped_mm by default)."""
+    moe = getattr(cfg, "num_experts", None) or getattr(cfg, "num_local_experts", None)
+    return getattr(cfg, "_experts_implementation", None) if moe else None
 
 
 def _drafter_bench(trainer: Trainer, dev: torch.device, steps: int, warmup: int) -> dict:
