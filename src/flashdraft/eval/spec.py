@@ -107,7 +107,11 @@ class DynamicTarget:
 
     def prefill(self, prompt_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         self.cache = new_cache(self.target.model)
-        return self.target.decode(prompt_ids, self.cache, logits_to_keep=1)
+        out = self.target.decode(prompt_ids, self.cache, logits_to_keep=1)
+        # a recording sliding-window layer keeps the whole prompt until a crop; transformers 5.17 then
+        # hands the next forward more keys than its mask covers (5.24 slices them itself)
+        self.cache.crop(0)
+        return out
 
     def forward(self, block: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
         layers = getattr(self.cache, "layers", [None])
