@@ -63,7 +63,29 @@ FAMILIES: dict[str, tuple[str, dict, str]] = {
         "one_document",
     ),
     "phi3": ("phi3", {}, "positions"),
+    "deepseek_v3": (  # multi-head latent attention, shared + routed experts
+        "deepseek_v3",
+        dict(
+            _MOE,
+            num_key_value_heads=4,  # MLA: one key/value head per query head
+            n_routed_experts=4,
+            n_shared_experts=1,
+            first_k_dense_replace=1,
+            kv_lora_rank=16,
+            q_lora_rank=16,
+            qk_rope_head_dim=8,
+            qk_nope_head_dim=8,
+            v_head_dim=8,
+            n_group=1,
+            topk_group=1,
+        ),
+        "positions",
+    ),
 }
+
+
+# drafter shapes set by hand, where the target's attention does not suit a small drafter (MLA)
+DRAFTER_SHAPES = {"deepseek_v3": dict(num_key_value_heads=2, head_dim=16, intermediate_size=48)}
 
 
 def family_config(name: str, vocab_size: int, eos_token_id: int, pad_token_id: int):
@@ -76,8 +98,9 @@ def family_config(name: str, vocab_size: int, eos_token_id: int, pad_token_id: i
         return AutoConfig.for_model(
             "gemma3", text_config=text, vision_config=vision, mm_tokens_per_image=4, **tokens
         )
-    shape = {k: v for k, v in _SHAPE.items() if k != "head_dim"} if model_type == "phi3" else _SHAPE
-    return AutoConfig.for_model(model_type, **shape, **fields, **tokens)
+    own_head_dim = model_type in ("phi3", "deepseek_v3")  # hidden // heads; MLA: its rope part
+    shape = {k: v for k, v in _SHAPE.items() if k != "head_dim" or not own_head_dim}
+    return AutoConfig.for_model(model_type, **{**shape, **fields}, **tokens)
 
 
 def build(name: str, vocab_size: int, eos_token_id: int, pad_token_id: int, seed: int = 0) -> PreTrainedModel:

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from flashdraft.model.drafter import Visibility
+from flashdraft.model.drafter import Visibility, drafter_config
 from flashdraft.model.target import Target
 from flashdraft.train.blocks import Anchors, make_blocks
 from flashdraft.train.step import plan_micro_batch, target_features, visibility_for
@@ -154,3 +154,63 @@ def test_drafter_state_holds_only_the_zlab_weights():
     names = set(drafter.state_dict())
     assert {"fc.weight", "hidden_norm.weight", "norm.weight"} <= names
     assert not any("embed" in n or "lm_head" in n or "rotary" in n for n in names)
+
+
+def test_the_drafter_shape_follows_the_target_unless_set():
+    """An MLA target (DeepSeek-V3's shape: 128 heads and 128 key/value heads) gives by default a drafter
+    of its attention shape, over 3B parameters in 5 layers; set by hand, heads, head size and MLP width
+    are the ones asked, and the width stays the target's."""
+    from transformers import AutoConfig
+
+    from flashdraft.train.flops import layer_matmul_params
+
+    v3 = AutoConfig.for_model(
+        "deepseek_v3", hidden_size=7168, intermediate_size=18432, num_hidden_layers=61,
+        num_attention_heads=128, num_key_value_heads=128, qk_rope_head_dim=64, qk_nope_head_dim=128,
+        v_head_dim=128, vocab_size=129280,
+    )  # fmt: skip
+    default = drafter_config(v3, 5, None, 5, 16, 0)
+    assert (default.num_attention_heads, default.num_key_value_heads, default.head_dim) == (128, 128, 64)
+    assert layer_matmul_params(default) * 5 > 3e9
+    small = drafter_config(
+        v3,
+        5,
+        None,
+        5,
+        16,
+        0,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        intermediate_size=12288,
+    )
+    assert (small.hidden_size, small.num_attention_heads, small.num_key_value_heads) == (7168, 32, 8)
+    assert (small.head_dim, small.intermediate_size) == (128, 12288)
+    assert layer_matmul_params(small) * 5 < 2e9
+    with pytest.raises(ValueError, match="do not split"):
+        drafter_config(v3, 5, None, 5, 16, 0, num_attention_heads=32, num_key_value_heads=6)
+
+
+def test_the_drafter_rope_is_read_from_every_config_form():
+    """Flat rope_theta with scaling (Llama 3), one set per layer kind (Gemma 3: the full-attention
+    layers'), a partial rotary factor that shapes the target's heads, not the drafter's (Qwen3-Next),
+    and a target without RoPE (GPT-2), which needs drafter.rope_theta."""
+    from transformers import AutoConfig
+
+    from flashdraft.model.drafter import drafter_rope
+
+    llama = AutoConfig.for_model(
+        "llama",
+        rope_parameters={"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+    )  # fmt: skip
+    assert drafter_rope(llama) == llama.rope_parameters  # every field: a one-axis rope type
+    gemma = AutoConfig.for_model("gemma3_text")
+    assert drafter_rope(gemma) == {"rope_type": "default", "rope_theta": 1e6}
+    assert "partial_rotary_factor" not in drafter_rope(AutoConfig.for_model("qwen3_next"))
+    with pytest.raises(ValueError, match="set drafter.rope_theta"):
+        drafter_rope(AutoConfig.for_model("gpt2"))
+    assert drafter_rope(AutoConfig.for_model("gpt2"), rope_theta=1e4) == {
+        "rope_type": "default",
+        "rope_theta": 1e4,
+    }

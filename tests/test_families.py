@@ -56,7 +56,8 @@ def family(request, tiny_tokenizer, tmp_path_factory) -> SimpleNamespace:
     name, tok = request.param, tiny_tokenizer
     model = families.build(name, len(tok), tok.eos_token_id, tok.pad_token_id)
     root = tmp_path_factory.mktemp(name)
-    dcfg = drafter_config(model.config, 2, None, 2, BLOCK, tok.mask_token_id)
+    shape = families.DRAFTER_SHAPES.get(name, {})
+    dcfg = drafter_config(model.config, 2, None, 2, BLOCK, tok.mask_token_id, **shape)
     return SimpleNamespace(
         name=name,
         model=model,
@@ -66,6 +67,7 @@ def family(request, tiny_tokenizer, tmp_path_factory) -> SimpleNamespace:
         dcfg=dcfg,
         packing=choose_packing(model, dcfg.target_layer_ids),
         expected_packing=families.FAMILIES[name][2],
+        drafter_shape=shape,
     )
 
 
@@ -99,7 +101,7 @@ def run(family) -> SimpleNamespace:
     config.write_text(
         yaml.safe_dump(
             {
-                "drafter": {"num_layers": 2, "num_taps": 2, "block_size": BLOCK},
+                "drafter": {"num_layers": 2, "num_taps": 2, "block_size": BLOCK, **family.drafter_shape},
                 "data": {"seq_len": 128, "rows_per_batch": 2},
                 "num_anchors": 8,
                 "max_steps": 2,
@@ -185,6 +187,7 @@ def test_the_checkpoint_reloads_and_exports_in_the_zlab_layout(family, run):
     ]
     assert cfg["num_target_layers"] == families.LAYERS
     assert cfg["rope_parameters"] == family.dcfg.rope_parameters  # the target's RoPE, whatever its form
+    assert all(cfg[k] == v for k, v in family.drafter_shape.items())  # a shape set by hand is the one trained
     reloaded = load_drafter(out)
     assert all(torch.equal(reloaded.state_dict()[k].to(v.dtype), v) for k, v in weights.items())
 

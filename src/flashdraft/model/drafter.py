@@ -160,6 +160,16 @@ class DFlashDrafter(nn.Module):
         self.hidden_norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = Qwen3RotaryEmbedding(config)
 
+    def describe(self) -> str:
+        """The start-up line: the drafter's shape, taps and size."""
+        c = self.config
+        params = sum(p.numel() for p in self.parameters())
+        return (
+            f"drafter: {c.num_hidden_layers} layers of width {c.hidden_size}, {c.num_attention_heads} heads "
+            f"/ {c.num_key_value_heads} key/value heads of {c.head_dim}, MLP {c.intermediate_size}, taps "
+            f"{self.target_layer_ids} of {c.num_target_layers}: {params / 1e9:.3g}B parameters"
+        )
+
     def fuse(self, target_features: torch.Tensor) -> torch.Tensor:
         """Tapped target layers concatenated on the feature axis [b, S, N*D] -> context rows [b, S, D]."""
         return self.hidden_norm(self.fc(target_features))

@@ -304,6 +304,7 @@ class Trainer:
         self.target = Target(model, drafter.target_layer_ids, not self.topo.is_target, packing)
         if self.topo.is_main:
             print(self.target.describe(), flush=True)
+            print(drafter.describe(), flush=True)
         self.stream = stream
         self.total_steps = total_steps
         self.out = Path(out_dir) if out_dir else None
