@@ -39,6 +39,9 @@ def eval_cmd(
     cuda_graphs: bool = typer.Option(
         False, help="fixed-shape caches; on a GPU every forward replays as a CUDA graph (less host time)"
     ),
+    target_attention: str = typer.Option(
+        "auto", help="the target's attention: auto (sdpa where the model supports it, else eager), or a name"
+    ),
 ) -> None:
     """Speculative decoding with target + drafter: tau, per-position acceptance, speedup vs plain decoding
     and vs prompt lookup (n-gram), written as a JSON report with a plot."""
@@ -59,6 +62,7 @@ def eval_cmd(
             seed,
             progress=lambda i, n: typer.echo(f"prompt {i}/{n}", err=True),
             cuda_graphs=cuda_graphs,
+            attention=target_attention,
         )
     except (ValueError, FileNotFoundError, OSError) as e:
         _fail(str(e))

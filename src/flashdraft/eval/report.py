@@ -221,17 +221,18 @@ def compare_methods(
     seed: int = 0,
     progress=None,
     cuda_graphs: bool = False,
+    attention: str = "auto",
 ) -> dict:
     """Load the target (HF directory or hub id) and the drafter checkpoint, decode every conversation with
     plain decoding, DFlash and prompt lookup, and return the report (`build_report`). cuda_graphs: see
-    `run_methods`."""
+    `run_methods`; attention: the target's (`flashdraft.model.target.load_target`)."""
     import torch
 
     from flashdraft.model.checkpoint import load_drafter
     from flashdraft.model.target import load_target
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    model, tokenizer = load_target(target, device)
+    model, tokenizer = load_target(target, device, attention=attention)
     draft = load_drafter(drafter, device, dtype=model.dtype).eval()
     spec_target = decoding_target(model, draft)
     block = block_size or draft.block_size
@@ -252,5 +253,6 @@ def compare_methods(
         "dtype": str(model.dtype).removeprefix("torch."),
         "seed": seed,
         "cuda_graphs": cuda_graphs,
+        "target_attention": model.config.get_text_config()._attn_implementation,
     }
     return build_report(settings, results, block)
