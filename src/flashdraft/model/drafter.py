@@ -141,6 +141,13 @@ class DFlashLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+def _count(n: int) -> str:
+    for scale, unit in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= scale:
+            return f"{n / scale:.3g}{unit}"
+    return str(n)
+
+
 class DFlashDrafter(nn.Module):
     """DFlash drafter (dflash.md section 1).
 
@@ -167,7 +174,7 @@ class DFlashDrafter(nn.Module):
         return (
             f"drafter: {c.num_hidden_layers} layers of width {c.hidden_size}, {c.num_attention_heads} heads "
             f"/ {c.num_key_value_heads} key/value heads of {c.head_dim}, MLP {c.intermediate_size}, taps "
-            f"{self.target_layer_ids} of {c.num_target_layers}: {params / 1e9:.3g}B parameters"
+            f"{self.target_layer_ids} of {c.num_target_layers}: {_count(params)} parameters"
         )
 
     def fuse(self, target_features: torch.Tensor) -> torch.Tensor:
