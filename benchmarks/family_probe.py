@@ -1,17 +1,22 @@
 """The conformance matrix's target side on a GPU: every tiny family of tests/families.py in bf16 on CUDA
 (the kernels training uses there), through the packing probe, the leak test and greedy decoding.
 
-    python benchmarks/family_probe.py [--device cuda] [--dtype bfloat16]
+    python benchmarks/family_probe.py [--device cuda] [--dtype bfloat16] [--train OUT]
 
 One line per family: the packing `choose_packing` picked and how long the probe took, the largest
 difference between a packed row's features and each document's features alone (bf16 rounding, where the
 documents are kept apart), and how many of 4 prompts speculative decoding (a random drafter) reproduced
-the target's own greedy output token for token.
+the target's own greedy output token for token. With --train, each family's tiny target is also saved
+under OUT with the tests' tokenizer and trained for 3 steps by `flashdraft train` on packed data, with
+the defaults of that device (on a GPU: compiled drafter, flex attention, compiled target layers), then
+measured by `flashdraft eval`: its exit status, last loss, and how many outputs equal plain decoding.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -21,7 +26,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 import families  # noqa: E402
-from flashdraft.data.packing import collate_rows, pack_documents  # noqa: E402
+from flashdraft.data.packing import collate_rows, pack_documents, save_token_dataset  # noqa: E402
+from flashdraft.demo.tiny import build_tokenizer, save_target, stdlib_files  # noqa: E402
 from flashdraft.eval.spec import DFlashProposer, generate  # noqa: E402
 from flashdraft.model.drafter import DFlashDrafter, drafter_config  # noqa: E402
 from flashdraft.model.target import Target, choose_packing  # noqa: E402
@@ -67,10 +73,47 @@ def check(name: str, device: torch.device, dtype: torch.dtype) -> str:
     return f"| {name} | {packing} | {probe_s:.2f} s | {worst:.1e} | {same}/4 |"
 
 
+def train_and_eval(name: str, out: Path, tokenizer, device: str) -> str:
+    """`flashdraft train` (3 steps) and `flashdraft eval` (2 prompts) on the family's tiny target."""
+    root = out / name
+    model = families.build(name, len(tokenizer), tokenizer.eos_token_id, tokenizer.pad_token_id)
+    save_target(model, tokenizer, root / "target")
+    g = torch.Generator().manual_seed(3)
+    docs = [torch.randint(4, 96, (n,), generator=g).tolist() for n in (30, 45, 60, 38, 52, 41, 33, 57) * 2]
+    save_token_dataset(
+        [{"input_ids": d, "loss_mask": [0] * 6 + [1] * (len(d) - 6)} for d in docs], root / "data"
+    )
+    drafter = {"num_layers": 2, "num_taps": 2, "block_size": 8, **families.DRAFTER_SHAPES.get(name, {})}
+    config = {"drafter": drafter, "data": {"seq_len": 128, "rows_per_batch": 2}, "num_anchors": 8,
+              "max_steps": 3, "log_every": 1}  # fmt: skip
+    (root / "train.json").write_text(json.dumps(config))  # YAML is a superset of JSON
+    cli = [sys.executable, "-m", "flashdraft.cli.main"]
+    train = [*cli, "train", "--target", str(root / "target"), "--data", str(root / "data"), "--out",
+             str(root / "run"), "--config", str(root / "train.json"), "--device", device]  # fmt: skip
+    proc = subprocess.run(train, capture_output=True, text=True)
+    (root / "train.log").write_text(proc.stdout + proc.stderr)
+    if proc.returncode:
+        return f"| {name} | train exit {proc.returncode} | | |"
+    loss = json.loads((root / "run" / "metrics.jsonl").read_text().splitlines()[-1])["loss"]
+    (root / "prompts.jsonl").write_text('{"prompt": "def add(a, b):"}\n{"prompt": "import os"}\n')
+    ckpt = root / "run" / "checkpoints" / (root / "run" / "checkpoints" / "LATEST").read_text().strip()
+    report = root / "report.json"
+    evaluate = [*cli, "eval", "--target", str(root / "target"), "--drafter", str(ckpt), "--prompts",
+                str(root / "prompts.jsonl"), "--out", str(report), "--max-new-tokens", "32",
+                "--device", device]  # fmt: skip
+    proc = subprocess.run(evaluate, capture_output=True, text=True)
+    (root / "eval.log").write_text(proc.stdout + proc.stderr)
+    if proc.returncode:
+        return f"| {name} | train ok, loss {loss:.3f} | eval exit {proc.returncode} | |"
+    same = json.loads(report.read_text())["identical_to_autoregressive"]
+    return f"| {name} | ok, loss {loss:.3f} | ok | {same['dflash']}/{same['of']} |"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--train", type=Path, help="also train and eval each family's target under this dir")
     args = parser.parse_args()
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     gpu = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
@@ -79,6 +122,12 @@ def main() -> None:
     print("|---|---|---|---|---|")
     for name in families.FAMILIES:
         print(check(name, device, dtype), flush=True)
+    if args.train:
+        tokenizer = build_tokenizer([p.read_text(errors="replace") for p in stdlib_files(limit=30)], 384)
+        print("\n| family | flashdraft train | flashdraft eval | DFlash output = plain decoding |")
+        print("|---|---|---|---|")
+        for name in families.FAMILIES:
+            print(train_and_eval(name, args.train, tokenizer, args.device), flush=True)
 
 
 if __name__ == "__main__":

@@ -42,7 +42,9 @@ FAMILIES: dict[str, tuple[str, dict, str]] = {
     "mistral": ("mistral", dict(sliding_window=WINDOW), "positions"),
     "qwen3_moe": ("qwen3_moe", dict(_MOE, num_experts=4), "positions"),
     "gemma3_text": ("gemma3_text", dict(sliding_window=WINDOW, layer_types=_ALTERNATING), "positions"),
-    "gemma3": ("gemma3", {}, "positions"),  # Gemma3ForConditionalGeneration: a vision tower + this text model
+    # Gemma3ForConditionalGeneration: a vision tower and the text model above; its embedding and lm_head
+    # are tied, as in Gemma 3's checkpoints
+    "gemma3": ("gemma3", {}, "positions"),
     "gpt_oss": (
         "gpt_oss",
         dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=WINDOW, layer_types=_ALTERNATING),
