@@ -83,7 +83,14 @@ def train_and_eval(name: str, out: Path, tokenizer, device: str) -> str:
     save_token_dataset(
         [{"input_ids": d, "loss_mask": [0] * 6 + [1] * (len(d) - 6)} for d in docs], root / "data"
     )
-    drafter = {"num_layers": 2, "num_taps": 2, "block_size": 8, **families.DRAFTER_SHAPES.get(name, {})}
+    # head size 16: flex_attention's smallest on a GPU
+    drafter = {
+        "num_layers": 2,
+        "num_taps": 2,
+        "block_size": 8,
+        "head_dim": 16,
+        **families.DRAFTER_SHAPES.get(name, {}),
+    }
     config = {"drafter": drafter, "data": {"seq_len": 128, "rows_per_batch": 2}, "num_anchors": 8,
               "max_steps": 3, "log_every": 1}  # fmt: skip
     (root / "train.json").write_text(json.dumps(config))  # YAML is a superset of JSON
@@ -114,19 +121,21 @@ def main() -> None:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--train", type=Path, help="also train and eval each family's target under this dir")
+    parser.add_argument("--families", default=",".join(families.FAMILIES), help="comma-separated names")
     args = parser.parse_args()
+    names = args.families.split(",")
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     gpu = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     print(f"{gpu}, {dtype}, torch {torch.__version__}")
     print("| family | packing | probe | packed vs alone (max rel.) | greedy = target's |")
     print("|---|---|---|---|---|")
-    for name in families.FAMILIES:
+    for name in names:
         print(check(name, device, dtype), flush=True)
     if args.train:
         tokenizer = build_tokenizer([p.read_text(errors="replace") for p in stdlib_files(limit=30)], 384)
         print("\n| family | flashdraft train | flashdraft eval | DFlash output = plain decoding |")
         print("|---|---|---|---|")
-        for name in families.FAMILIES:
+        for name in names:
             print(train_and_eval(name, args.train, tokenizer, args.device), flush=True)
 
 

@@ -12,7 +12,7 @@ from flashdraft.data.packing import save_token_dataset
 from flashdraft.model.checkpoint import latest_checkpoint, load_drafter, save_checkpoint
 from flashdraft.model.drafter import Visibility
 from flashdraft.train.step import micro_step_loss, plan_micro_batch
-from flashdraft.train.trainer import cosine_lr, resolve_mask_token_id
+from flashdraft.train.trainer import cosine_lr, resolve_attention, resolve_mask_token_id
 from helpers import BLOCK, GAMMA, MASK_ID, packed_batch, random_docs, target_and_drafter
 
 
@@ -260,3 +260,12 @@ def test_wandb_logging_is_offline_unless_configured(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "online")
     MetricsLogger(tmp_path, total_steps=2, tensorboard=False, wandb_config={}).close()
     assert calls["init"]["mode"] == "online"
+
+
+def test_attention_is_flex_on_a_gpu_dense_on_a_cpu_and_a_flex_head_below_16_is_refused():
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert (resolve_attention("auto", cuda, 128), resolve_attention("auto", cpu, 8)) == ("flex", "dense")
+    with pytest.raises(ValueError, match="no CPU backward"):
+        resolve_attention("flex", cpu, 128)
+    with pytest.raises(ValueError, match="head size of at least 16, the drafter's is 8"):  # seen on the H200
+        resolve_attention("auto", cuda, 8)

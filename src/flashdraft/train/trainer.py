@@ -70,12 +70,17 @@ def resolve_mask_token_id(tokenizer, embedding_rows: int, requested: int | None)
     return int(mask_id)
 
 
-def resolve_attention(choice: str, device: torch.device) -> str:
+def resolve_attention(choice: str, device: torch.device, head_dim: int) -> str:
     """flex on GPU, the dense SDPA reference on CPU, where flex_attention has no backward."""
     if choice == "auto":
-        return "flex" if device.type == "cuda" else "dense"
+        choice = "flex" if device.type == "cuda" else "dense"
     if choice == "flex" and device.type == "cpu":
         raise ValueError("attention=flex cannot train on CPU (flex_attention has no CPU backward); use dense")
+    if choice == "flex" and head_dim < 16:  # inductor's flex kernels: "embedding dimension ... at least 16"
+        raise ValueError(
+            f"flex_attention needs a head size of at least 16, the drafter's is {head_dim}: set drafter.head_dim "
+            "(or attention: dense)"
+        )
     return choice
 
 
@@ -311,7 +316,7 @@ class Trainer:
         self.meta = meta or {}
         self.gamma = cfg.gamma or default_gamma(cfg.drafter.block_size)
         self.compiled = cfg.compile if cfg.compile is not None else self.device.type == "cuda"
-        self.attention = resolve_attention(cfg.attention, self.device)
+        self.attention = resolve_attention(cfg.attention, self.device, drafter.config.head_dim)
         self.compile_report = None
         if cfg.compile_target and not self.compiled:
             raise ValueError("compile_target needs compile (on by default on GPU; set compile: true)")
