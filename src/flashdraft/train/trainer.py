@@ -78,8 +78,8 @@ def resolve_attention(choice: str, device: torch.device, head_dim: int) -> str:
         raise ValueError("attention=flex cannot train on CPU (flex_attention has no CPU backward); use dense")
     if choice == "flex" and head_dim < 16:  # inductor's flex kernels: "embedding dimension ... at least 16"
         raise ValueError(
-            f"flex_attention needs a head size of at least 16, the drafter's is {head_dim}: set drafter.head_dim "
-            "(or attention: dense)"
+            f"flex_attention needs a head size of at least 16, the drafter's is {head_dim}: "
+            "set drafter.head_dim (or attention: dense)"
         )
     return choice
 
