@@ -34,7 +34,7 @@ from flashdraft.eval.spec import DFlashProposer, generate, static_decoders
 from flashdraft.export.formats import export_checkpoint, read_zlab
 from flashdraft.model.checkpoint import latest_checkpoint, load_drafter, write_zlab
 from flashdraft.model.drafter import DFlashDrafter, drafter_config
-from flashdraft.model.target import PACKING_LINES, Target, choose_packing
+from flashdraft.model.target import PACKING_LINES, Target, choose_packing, load_target
 from flashdraft.train.blocks import Anchors
 from flashdraft.train.step import micro_batch_at, target_features, visibility_for
 from flashdraft.train.trainer import init_drafter_
@@ -257,6 +257,20 @@ def test_flashdraft_eval_decodes_as_plain_decoding(family, run):
     assert written["identical_to_autoregressive"] == {"dflash": 2, "ngram": 2, "of": 2}
     # chosen per model: gpt-oss refuses sdpa
     assert written["settings"]["target_attention"] == ("eager" if family.name == "gpt_oss" else "sdpa")
+
+
+def test_the_target_attention_is_the_one_asked_or_refused(family):
+    """auto is the model's own choice; a name is used as given, and one the model refuses is an error
+    naming it (gpt-oss has no sdpa attention), never another implementation in its place."""
+    auto, _ = load_target(family.dir)
+    assert auto.config.get_text_config()._attn_implementation == (
+        "eager" if family.name == "gpt_oss" else "sdpa"
+    )
+    eager, _ = load_target(family.dir, attention="eager")
+    assert eager.config.get_text_config()._attn_implementation == "eager"
+    if family.name == "gpt_oss":
+        with pytest.raises(ValueError, match="target attention 'sdpa'"):
+            load_target(family.dir, attention="sdpa")
 
 
 def test_local_regeneration_answers_as_plain_greedy_decoding(family):

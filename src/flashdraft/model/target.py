@@ -300,9 +300,9 @@ def load_target(
     try:
         model = AutoModelForCausalLM.from_pretrained(str(path_or_id), dtype=dtype, **kwargs)
     except ValueError as e:
-        if attention != "auto" and attention in str(e):
-            raise ValueError(f"{path_or_id}: attention {attention!r} is not supported here: {e}") from e
-        raise
+        if attention == "auto":
+            raise
+        raise ValueError(f"{path_or_id}: target attention {attention!r}: {e}") from e
     model.to(device)
     tokenizer = AutoTokenizer.from_pretrained(str(path_or_id))
     return model, tokenizer
