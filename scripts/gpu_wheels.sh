@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Downloads, into .whl/, exactly the wheels our dependencies need that the lent GPU image lacks
-# (it has torch, transformers, typer, rich, pyarrow, safetensors, tensorboard, but not these).
+# (it has torch, transformers, accelerate, typer, rich, pyarrow, safetensors, tensorboard, but not these).
 # On the GPU machine: python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -10,5 +10,6 @@ python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -
   --platform manylinux2014_x86_64 --platform any -d .whl \
   pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5 \
   datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 \
+  gguf==0.19.0 \
   dflash==0.1.0  # the reference package, for the proof (pure Python; needs only torch + transformers)
 ls .whl

@@ -39,7 +39,7 @@ def _read_template(path: Path | None) -> str | None:
 @data_app.command()
 def prepare(
     target: str = typer.Option(
-        ..., help="target model (local HF directory or hub id) whose tokenizer to use"
+        ..., help="target model (local HF directory, hub id or .gguf file) whose tokenizer to use"
     ),
     input: str = typer.Option(..., "--input", help="JSONL, JSON or Parquet file, or a `datasets` dataset id"),
     out: Path = typer.Option(..., help="output directory: shards/, stats.json, rejected.jsonl"),
@@ -59,10 +59,9 @@ def prepare(
     Bad records are reported as FILE:LINE: reason on stderr, counted in stats.json and copied verbatim to
     OUT/rejected.jsonl. The loss mask is 1 exactly on assistant-written tokens, end-of-turn token included.
     """
-    from transformers import AutoTokenizer
-
     from flashdraft.data.formats import SourceError
     from flashdraft.data.prepare import PrepareOptions, StrictStop, prepare_dataset
+    from flashdraft.model.target import load_tokenizer
 
     options = PrepareOptions(
         max_length=max_length,
@@ -75,7 +74,7 @@ def prepare(
         cache_dir=cache_dir,
     )
     try:
-        tokenizer = AutoTokenizer.from_pretrained(target)
+        tokenizer = load_tokenizer(target)
         _warn_if_thinking_ignored(thinking, options.chat_template or tokenizer.chat_template)
         stats = prepare_dataset(input, tokenizer, out, options)
     except StrictStop:

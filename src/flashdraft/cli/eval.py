@@ -5,6 +5,7 @@ The main app registers them with `app.command("eval")(eval_cmd)` and `app.comman
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import typer
@@ -17,7 +18,7 @@ def _fail(message: str, code: int = 2) -> None:
 
 
 def eval_cmd(
-    target: str = typer.Option(..., help="target model: local HF directory or hub id"),
+    target: str = typer.Option(..., help="target model: local HF directory, hub id or .gguf file"),
     drafter: Path = typer.Option(..., help="drafter checkpoint directory (z-lab layout)"),
     prompts: Path = typer.Option(..., help='JSONL of {"messages": [...]} or {"prompt": "..."} records'),
     out: Path = typer.Option(
@@ -73,7 +74,13 @@ def eval_cmd(
 
 
 def _run_target(ckpt: Path) -> str | None:
-    """The target recorded in RUN/config.yaml for a checkpoint RUN/checkpoints/step_N, if any."""
+    """The target the checkpoint records (`flashdraft_target` in its config.json), or else the one in
+    RUN/config.yaml for a checkpoint RUN/checkpoints/step_N, if any."""
+    recorded = ckpt / "config.json"
+    if recorded.is_file():
+        target = (json.loads(recorded.read_text()).get("flashdraft_target") or {}).get("name_or_path")
+        if target:
+            return target
     config = ckpt.resolve().parent.parent / "config.yaml"
     if not config.is_file():
         return None
@@ -87,7 +94,8 @@ def export_cmd(
     fmt: str = typer.Option("zlab", "--format", help="zlab (SGLang, vLLM, dflash) or speculators (vLLM)"),
     out: Path = typer.Option(..., help="output directory (created; must be empty if it exists)"),
     target: str | None = typer.Option(
-        None, help="speculators only: the verifier's hub id or path (default: the run's config.yaml target)"
+        None,
+        help="speculators only: the verifier's hub id or path (default: the target the checkpoint records)",
     ),
 ) -> None:
     """Validate a checkpoint and write it in an engine's layout: config.json + model.safetensors, bf16."""

@@ -22,7 +22,7 @@ def _fail(message: str, code: int = 2) -> None:
 
 @app.command(context_settings={"allow_extra_args": False})
 def train(
-    target: str = typer.Option(..., help="target model: local HF directory or hub id"),
+    target: str = typer.Option(..., help="target model: local HF directory, hub id or .gguf file"),
     data: Path = typer.Option(..., help="token dataset directory (from `flashdraft data prepare`)"),
     out: Path | None = typer.Option(None, help="run directory (default: the --resume run)"),
     config: Path | None = typer.Option(None, help="YAML config overlaid on the preset"),
@@ -106,14 +106,13 @@ def train(
 
 
 def _print_plan(preset: str, config: Path | None, target: str, layout: str, world: int, fsdp: bool) -> None:
-    from transformers import AutoConfig
-
     from flashdraft.config import resolve_config
     from flashdraft.dist.plan import make_plan
+    from flashdraft.model.target import target_config
 
     try:
         cfg = resolve_config(preset, config, fsdp=fsdp or None)
-        plan = make_plan(cfg, AutoConfig.from_pretrained(target), layout, world)
+        plan = make_plan(cfg, target_config(target), layout, world)
     except (ValueError, OSError) as e:
         _fail(str(e))
     typer.echo("\n".join(plan.lines()))

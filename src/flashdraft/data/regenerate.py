@@ -276,18 +276,22 @@ class LocalBackend:
     def load(
         cls, target: str, device: str | None = None, chat_template: str | None = None, **kwargs
     ) -> LocalBackend:
-        """Load a local HF directory or hub id (dtype as saved; CUDA when visible unless `device` says)."""
+        """Load a local HF directory, a hub id or a .gguf file (dtype as saved; CUDA when visible unless
+        `device` says)."""
         import torch
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoModelForCausalLM
 
-        tokenizer = AutoTokenizer.from_pretrained(target)
+        from flashdraft.model.target import load_tokenizer, target_source
+
+        tokenizer = load_tokenizer(target)
         tokenizer.chat_template = chat_template or tokenizer.chat_template
         if not tokenizer.chat_template:
             raise ValueError(
                 f"{target}: the tokenizer has no chat template; supply one (--chat-template FILE)"
             )
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-        model = AutoModelForCausalLM.from_pretrained(target, dtype="auto").to(device)
+        source, load_kwargs = target_source(target)
+        model = AutoModelForCausalLM.from_pretrained(source, dtype="auto", **load_kwargs).to(device)
         return cls(model, tokenizer, **kwargs)
 
     def regenerate(self, conversations: list[list[dict]]) -> list[list[dict]]:

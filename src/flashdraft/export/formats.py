@@ -52,6 +52,7 @@ _NOT_TRANSFORMER = (
     "num_target_layers",
     "eagle_aux_hidden_state_layer_ids",
     "rope_scaling",
+    "flashdraft_target",
 )
 
 

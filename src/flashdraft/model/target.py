@@ -277,7 +277,21 @@ def choose_packing(model: PreTrainedModel, layer_ids: list[int]) -> str:
         probe.detach()
 
 
-ATTENTION_CHOICES = ("auto", "sdpa", "eager", "flex_attention", "flash_attention_2", "flash_attention_3")
+def target_source(path_or_id: str | Path) -> tuple[str, dict]:
+    """(what `from_pretrained` takes, its keyword arguments) for a target given as a local directory, a
+    hub id or a `.gguf` file (transformers dequantizes GGUF weights on load, with the `gguf` and
+    `accelerate` packages; the tokenizer and its chat template come from the file too)."""
+    path = Path(str(path_or_id))
+    if path.suffix != ".gguf":
+        return str(path_or_id), {}
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no such GGUF file")
+    return str(path.parent), {"gguf_file": path.name}
+
+
+def load_tokenizer(path_or_id: str | Path):
+    source, kwargs = target_source(path_or_id)
+    return AutoTokenizer.from_pretrained(source, **kwargs)
 
 
 def load_target(
@@ -296,17 +310,25 @@ def load_target(
     device = torch.device(device)
     if dtype is None:
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    kwargs = {} if attention == "auto" else {"attn_implementation": attention}
+    source, kwargs = target_source(path_or_id)
+    if attention != "auto":
+        kwargs["attn_implementation"] = attention
     try:
-        model = AutoModelForCausalLM.from_pretrained(str(path_or_id), dtype=dtype, **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, **kwargs)
     except ValueError as e:
         if attention == "auto":
             raise
         raise ValueError(f"{path_or_id}: target attention {attention!r}: {e}") from e
     model.to(device)
-    tokenizer = AutoTokenizer.from_pretrained(str(path_or_id))
-    return model, tokenizer
+    return model, load_tokenizer(path_or_id)
 
 
 def target_config(path_or_id: str | Path):
-    return AutoConfig.from_pretrained(str(path_or_id))
+    source, kwargs = target_source(path_or_id)
+    return AutoConfig.from_pretrained(source, **kwargs)
+
+
+def target_record(path_or_id: str | Path, model: PreTrainedModel) -> dict:
+    """What a drafter checkpoint records of the target it was trained against (`flashdraft_target`): the
+    name or path it was given as, and the class that loaded it (a GGUF file's config names none)."""
+    return {"name_or_path": str(path_or_id), "architectures": [type(model).__name__]}

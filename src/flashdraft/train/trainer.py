@@ -32,7 +32,7 @@ from flashdraft.model.checkpoint import (
     save_checkpoint,
 )
 from flashdraft.model.drafter import DFlashDrafter, drafter_config
-from flashdraft.model.target import Target, choose_packing, decoder_layers, load_target
+from flashdraft.model.target import Target, choose_packing, decoder_layers, load_target, target_record
 from flashdraft.run.fingerprint import ENV_FILE, fingerprint
 from flashdraft.train.blocks import default_gamma, row_generators, walk_lengths
 from flashdraft.train.compile import (
@@ -236,6 +236,7 @@ def build_trainer(
     torch.manual_seed(cfg.seed)
     model, tokenizer = load_target(target_path, topo.device, attention=cfg.target_attention)
     drafter = build_drafter(cfg, model, tokenizer, topo.device)
+    drafter.config.flashdraft_target = target_record(target_path, model)  # written with every checkpoint
     asked = cfg.data.one_document_per_row
     packing = "one_document" if asked else choose_packing(model, drafter.target_layer_ids)
     if packing == "one_document" and not asked and topo.is_main:

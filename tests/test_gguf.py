@@ -1,0 +1,158 @@
+"""GGUF targets: a `.gguf` file is a target wherever one is named (train, eval, data prepare, regenerate,
+export), loaded dequantized by transformers with its tokenizer and chat template, and a drafter's
+checkpoint records the file it was trained against. The file is written here with the `gguf` package
+from a tiny Llama, as llama.cpp's converter writes one (its tensor names, its rotary layout of q and k)."""
+
+import json
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+from typer.testing import CliRunner
+
+from flashdraft.cli.main import app
+from flashdraft.model.checkpoint import latest_checkpoint
+from flashdraft.model.target import load_target
+
+
+def _rotary_layout(w: np.ndarray, heads: int) -> np.ndarray:
+    """q/k rows as llama.cpp stores them: each head's two rotary halves interleaved."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_gguf(model, tokenizer, path) -> None:
+    c = model.config
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_name("tiny llama")
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_block_count(c.num_hidden_layers)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(c.num_key_value_heads)
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w.add_rope_freq_base(c.rope_parameters["rope_theta"])
+    state = json.loads(tokenizer.backend_tokenizer.to_str())
+    tokens = [t for t, _ in sorted(state["model"]["vocab"].items(), key=lambda kv: kv[1])]
+    special = {t["id"] for t in state["added_tokens"]}
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_types([3 if i in special else 1 for i in range(len(tokens))])  # 3: control
+    w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in state["model"]["merges"]])
+    w.add_eos_token_id(tokenizer.eos_token_id)
+    w.add_pad_token_id(tokenizer.pad_token_id)
+    w.add_add_bos_token(False)
+    w.add_chat_template(tokenizer.chat_template)
+    sd = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
+    w.add_tensor("token_embd.weight", sd["model.embed_tokens.weight"])
+    w.add_tensor("output_norm.weight", sd["model.norm.weight"])
+    w.add_tensor("output.weight", sd["lm_head.weight"])
+    names = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+             "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate",
+             "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}  # fmt: skip
+    for i in range(c.num_hidden_layers):
+        layer = f"model.layers.{i}."
+        for hf, ours in names.items():
+            w.add_tensor(f"blk.{i}.{ours}.weight", sd[f"{layer}{hf}.weight"])
+        q, k = sd[layer + "self_attn.q_proj.weight"], sd[layer + "self_attn.k_proj.weight"]
+        w.add_tensor(f"blk.{i}.attn_q.weight", _rotary_layout(q, c.num_attention_heads))
+        w.add_tensor(f"blk.{i}.attn_k.weight", _rotary_layout(k, c.num_key_value_heads))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.fixture(scope="module")
+def gguf_target(tiny_tokenizer, tmp_path_factory):
+    """(the source model, the .gguf file written from it with the tests' tokenizer)."""
+    tok = tiny_tokenizer
+    config = AutoConfig.for_model(
+        "llama", vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=6,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False,
+        eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        model.lm_head.weight.normal_(0.0, 0.5)
+    path = tmp_path_factory.mktemp("gguf") / "tiny-llama.gguf"
+    write_gguf(model, tok, path)
+    return model, path
+
+
+def test_a_gguf_file_loads_as_the_model_and_tokenizer_it_holds(gguf_target, tiny_tokenizer):
+    source, path = gguf_target
+    model, tokenizer = load_target(path)
+    assert type(model).__name__ == "LlamaForCausalLM" and model.dtype == torch.float32
+    ids = torch.randint(4, len(tiny_tokenizer), (2, 20), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, source(ids).logits, atol=1e-5, rtol=1e-5)
+    text = "def add(a, b):\n    return a + b  # the sum"
+    assert tokenizer(text).input_ids == tiny_tokenizer(text).input_ids
+    assert tokenizer.chat_template == tiny_tokenizer.chat_template
+    assert tokenizer.eos_token_id == tiny_tokenizer.eos_token_id
+
+
+def test_a_missing_gguf_file_is_named(tmp_path):
+    missing = tmp_path / "nowhere.gguf"
+    with pytest.raises(FileNotFoundError, match="no such GGUF file"):
+        load_target(missing)
+    result = CliRunner().invoke(app, ["train", "--target", str(missing), "--data", str(tmp_path), "--out",
+                                      str(tmp_path / "run"), "--device", "cpu"])  # fmt: skip
+    assert result.exit_code == 2 and "nowhere.gguf: no such GGUF file" in result.output
+
+
+def _conversation(i: int, question: str) -> str:
+    turns = [
+        {"role": "user", "content": question},
+        {"role": "assistant", "content": f"def f{i}(x): return x"},
+    ]
+    return json.dumps({"id": f"c{i}", "messages": turns}) + "\n"
+
+
+def test_every_command_takes_a_gguf_target_and_the_checkpoint_records_it(gguf_target, tmp_path):
+    _, path = gguf_target
+    target = ["--target", str(path)]
+
+    def run(*args: str) -> None:
+        result = CliRunner().invoke(app, list(args))
+        assert result.exit_code == 0, result.output
+
+    questions = [
+        "add two numbers",
+        "open a file",
+        "sort a list",
+        "join paths",
+        "parse json",
+        "read lines",
+    ] * 2
+    (tmp_path / "convs.jsonl").write_text("".join(_conversation(i, q) for i, q in enumerate(questions)))
+    regenerated = tmp_path / "regen.jsonl"
+    run("data", "regenerate", *target, "--input", str(tmp_path / "convs.jsonl"), "--out", str(regenerated),
+        "--backend", "local", "--max-tokens", "12", "--device", "cpu", "--no-progress")  # fmt: skip
+    assert len(regenerated.read_text().splitlines()) == len(questions)
+    run("data", "prepare", *target, "--input", str(regenerated), "--out", str(tmp_path / "data"))
+    config = tmp_path / "train.yaml"
+    # a GGUF tokenizer names no mask token (transformers reads none from the file) and this one has no spare
+    # embedding row: the mask id is set by hand, here the tests' tokenizer's <|mask|>
+    config.write_text("drafter: {num_layers: 1, num_taps: 2, block_size: 8, mask_token_id: 3}\n"
+                      "data: {seq_len: 64, rows_per_batch: 2}\nnum_anchors: 4\nmax_steps: 2\n")  # fmt: skip
+    run("train", *target, "--data", str(tmp_path / "data"), "--out", str(tmp_path / "run"), "--config",
+        str(config), "--device", "cpu")  # fmt: skip
+    ckpt = latest_checkpoint(tmp_path / "run" / "checkpoints")
+    recorded = json.loads((ckpt / "config.json").read_text())["flashdraft_target"]
+    assert recorded == {"name_or_path": str(path), "architectures": ["LlamaForCausalLM"]}
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "add two numbers"}\n')
+    report = tmp_path / "eval" / "r.json"
+    run("eval", *target, "--drafter", str(ckpt), "--prompts", str(prompts), "--out", str(report),
+        "--max-new-tokens", "12", "--device", "cpu")  # fmt: skip
+    assert json.loads(report.read_text())["identical_to_autoregressive"]["dflash"] == 1
+    (ckpt.parent.parent / "config.yaml").unlink()  # the verifier now comes from the checkpoint alone
+    run("export", str(ckpt), "--format", "speculators", "--out", str(tmp_path / "spec"))
+    spec = json.loads((tmp_path / "spec" / "config.json").read_text())
+    assert spec["speculators_config"]["verifier"]["name_or_path"] == str(path)
