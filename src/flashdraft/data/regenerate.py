@@ -18,14 +18,9 @@ import random
 import time
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
-from contextlib import contextmanager
 from dataclasses import dataclass
 from itertools import islice
 from pathlib import Path
-
-from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, ProgressColumn, TimeRemainingColumn
-from rich.text import Text
 
 from flashdraft.data.formats import (
     Conversation,
@@ -36,6 +31,7 @@ from flashdraft.data.formats import (
     parse_record,
     with_reasoning,
 )
+from flashdraft.data.progress import progress_bar
 from flashdraft.model.grouped_attention import use_grouped_attention
 
 _RETRY_STATUS = {408, 409, 425, 429, 500, 502, 503, 504}
@@ -469,7 +465,7 @@ def regenerate_file(
         open(failed_path, "w", encoding="utf-8") as failed_file,
     ):
         sink = _Sink(out_file, failed_file, summary)
-        with _progress_bar(total, progress) as advance:
+        with progress_bar("regenerate", total, progress) as advance:
             todo = _records_to_do(input_path, split, done, sink, advance)
             for conv, result in backend.regenerate_each(islice(todo, limit)):
                 sink.write(conv, result)
@@ -548,26 +544,3 @@ def read_done_ids(path: Path) -> set[str]:
     if good_bytes < path.stat().st_size:
         os.truncate(path, good_bytes)
     return done
-
-
-@contextmanager
-def _progress_bar(total: int, enabled: bool) -> Iterator[Callable[[], None]]:
-    """A rich progress bar on stderr with records/s and ETA; yields `advance()`, which counts one record."""
-    bar = Progress(
-        "regenerate",
-        BarColumn(),
-        MofNCompleteColumn(),
-        _RateColumn(),
-        "ETA",
-        TimeRemainingColumn(),
-        console=Console(stderr=True),
-        disable=not enabled,
-    )
-    task = bar.add_task("regenerate", total=total)
-    with bar:
-        yield lambda: bar.advance(task)
-
-
-class _RateColumn(ProgressColumn):
-    def render(self, task) -> Text:
-        return Text(f"{task.speed or 0:.2f} rec/s")

@@ -1,0 +1,33 @@
+"""A progress bar for the record-by-record data commands (regenerate, synthesize), on stderr."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, ProgressColumn, TimeRemainingColumn
+from rich.text import Text
+
+
+@contextmanager
+def progress_bar(label: str, total: int, enabled: bool) -> Iterator[Callable[[], None]]:
+    """A rich progress bar with records/s and ETA; yields `advance()`, which counts one record."""
+    bar = Progress(
+        label,
+        BarColumn(),
+        MofNCompleteColumn(),
+        _RateColumn(),
+        "ETA",
+        TimeRemainingColumn(),
+        console=Console(stderr=True),
+        disable=not enabled,
+    )
+    task = bar.add_task(label, total=total)
+    with bar:
+        yield lambda: bar.advance(task)
+
+
+class _RateColumn(ProgressColumn):
+    def render(self, task) -> Text:
+        return Text(f"{task.speed or 0:.2f} rec/s")
