@@ -102,3 +102,22 @@ def test_non_finite_steps_are_skipped_and_a_run_of_them_stops_at_the_last_good_s
         tmp_path / "stop2" / "checkpoints" / "step_000004" / "trainer_state.pt", weights_only=True
     )
     assert all(torch.equal(saved["master"][k], good[k]) for k in good)
+
+
+def test_a_resume_loads_the_checkpoints_compile_artifacts_only_when_trusted(
+    tmp_path, tiny_target_dir, data_dir, monkeypatch, capsys
+):
+    """compile_cache.bin holds pickles that run code when loaded: a crafted one in a run directory or a
+    bucket would run on the machine that resumes. By default a resume compiles again and says so."""
+    out = tmp_path / "run"
+    t = build_trainer(_cfg(), tiny_target_dir, data_dir, out, device="cpu")
+    t.train_step()
+    ckpt = t.save()
+    (ckpt / "compile_cache.bin").write_bytes(b"anything a bucket may hold")
+    handed = []
+    monkeypatch.setattr(torch.compiler, "load_cache_artifacts", lambda data: handed.append(data))
+    build_trainer(_cfg(compile=True), tiny_target_dir, data_dir, out, device="cpu", resume=True)
+    assert handed == [] and "compile_cache.bin is not loaded" in capsys.readouterr().out
+    trusted = _cfg(compile=True, trust_compile_cache=True)
+    build_trainer(trusted, tiny_target_dir, data_dir, out, device="cpu", resume=True)
+    assert handed == [b"anything a bucket may hold"]

@@ -100,6 +100,12 @@ class TrainConfig(_Strict):
         "with FSDP2 fully_shard, for drafters too big to replicate; default: DDP replicas",
     )
     compile: bool | None = Field(None, description="torch.compile flex_attention; default: on GPU")
+    trust_compile_cache: bool = Field(
+        False,
+        description="on resume, load the compile-cache artifacts saved with the checkpoint: they are "
+        "pickles, which run code when loaded, so only for a run you trust; default: compile again (the "
+        "local persistent inductor cache still applies)",
+    )
     compile_target: bool | None = Field(
         None,
         description="also torch.compile the target's decoder layers; default: with compile (qwen3-8b on "

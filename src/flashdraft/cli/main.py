@@ -54,6 +54,11 @@ def train(
     plan: bool = typer.Option(
         False, "--plan", help="print layout, memory per rank and balance; do not train"
     ),
+    trust_compile_cache: bool = typer.Option(
+        False,
+        "--trust-compile-cache",
+        help="on --resume, load the checkpoint's compile artifacts (pickles: only for a run you trust)",
+    ),
 ) -> None:
     """Online training: the frozen target computes features each step, the drafter learns from them.
 
@@ -89,6 +94,7 @@ def train(
             "eval_prompts": str(eval_prompts) if eval_prompts else None,
             "val_every": val_every,
             "val_data": str(val_data) if val_data else None,
+            "trust_compile_cache": trust_compile_cache or None,
         }
         cfg = resolve_config(preset, config, **over)
         trainer = build_trainer(

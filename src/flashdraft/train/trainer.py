@@ -383,7 +383,16 @@ class Trainer:
         self.step = load_trainer_state(ckpt, self)
         if self.topo.is_main:
             forget_metrics_after(self.out / "metrics.jsonl", self.step)
-        self.artifacts_loaded = self.compiled and load_artifacts(ckpt)
+        if self.compiled and (ckpt / ARTIFACTS).exists():
+            if self.cfg.trust_compile_cache:
+                self.artifacts_loaded = load_artifacts(ckpt)
+            elif self.topo.is_main:
+                print(
+                    f"resume: {ckpt / ARTIFACTS} is not loaded: compile artifacts are pickles, which run "
+                    "code when loaded (--trust-compile-cache loads them, for a run you trust); compiling "
+                    f"again, with the local cache in {self.cache_dir}",
+                    flush=True,
+                )
 
     def micro_indices(self, step: int) -> list[int]:
         """Global micro-batches this drafter rank trains on at `step` (1-based)."""
