@@ -121,3 +121,31 @@ def test_a_resume_loads_the_checkpoints_compile_artifacts_only_when_trusted(
     trusted = _cfg(compile=True, trust_compile_cache=True)
     build_trainer(trusted, tiny_target_dir, data_dir, out, device="cpu", resume=True)
     assert handed == [b"anything a bucket may hold"]
+
+
+def test_a_non_finite_config_value_is_refused_naming_the_file(tmp_path):
+    for text, field in (("optim: {lr: 1.0e+39}", "lr"), ("optim: {weight_decay: .inf}", "weight_decay")):
+        path = tmp_path / "c.yaml"
+        path.write_text(text + "\n")
+        with pytest.raises(ValueError, match=f"(?s)invalid config in {path}.*{field}"):
+            resolve_config("default", path)
+
+
+def test_no_checkpoint_holds_a_non_finite_weight_and_none_such_prunes_a_good_one(
+    tmp_path, tiny_target_dir, data_dir
+):
+    from flashdraft.train.trainer import NonFiniteError
+
+    out = tmp_path / "run"
+    trainer = build_trainer(_cfg(keep_last=1), tiny_target_dir, data_dir, out, device="cpu")
+    trainer.train_step()
+    good = trainer.save()
+    trainer.train_step()
+    with torch.no_grad():
+        next(trainer.drafter.parameters()).view(-1)[0] = float("inf")  # as an overflowing update leaves it
+    with pytest.raises(
+        NonFiniteError, match=f"no checkpoint is written; the last checkpoint, all finite: {good}"
+    ):
+        trainer.save()
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["LATEST", good.name]
+    assert (out / "checkpoints" / "LATEST").read_text().strip() == good.name

@@ -12,9 +12,22 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+FLOAT32_MAX = 3.4028234663852886e38  # the optimizer's state and the weights are float32
+
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    """Unknown fields, infinities and NaNs are refused; so is a number a float32 cannot hold (an
+    `optim.lr` of 1e39 would make every weight infinite at the first step)."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    @model_validator(mode="after")
+    def _fits_float32(self):
+        for name, value in self:
+            for x in value if isinstance(value, tuple) else (value,):
+                if isinstance(x, float) and abs(x) > FLOAT32_MAX:
+                    raise ValueError(f"{name}: {x} is beyond what a float32 holds")
+        return self
 
 
 class DrafterSpec(_Strict):

@@ -102,7 +102,13 @@ def train(
         )
     except (ValueError, FileNotFoundError) as e:
         _fail(str(e))
-    result = _run_with_progress(trainer, cfg.log_every)
+    from flashdraft.train.trainer import NonFiniteError
+
+    try:
+        result = _run_with_progress(trainer, cfg.log_every)
+    except NonFiniteError as e:
+        trainer.close()
+        _fail(str(e), code=1)
     if result is not None and trainer.topo.is_main:
         typer.echo(
             f"done: {result.steps} steps, loss {result.first_loss:.4f} -> {result.final_loss:.4f}; "

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from flashdraft.config import TrainConfig, save_config
 from flashdraft.data.packing import MicroBatchStream, PackedLoader, load_token_dataset
@@ -698,6 +699,7 @@ class Trainer:
         mirror only once this one's upload is confirmed.
         """
         path = None
+        self._refuse_non_finite_state()
         weights, optim = full_state(self.drafter, self.optimizer, keep=self.topo.is_main)
         if self.topo.is_main:
             extra = {
@@ -718,6 +720,23 @@ class Trainer:
         if self.topo.num_drafters > 1:
             dist.barrier(group=self.topo.drafter_group)
         return path
+
+    def _refuse_non_finite_state(self) -> None:
+        """No checkpoint holds a NaN or an infinity, and none such prunes an older one: a weight or an
+        optimizer moment that is not finite (on any drafter rank, in any shard) stops the run here."""
+        local = [p.to_local() if isinstance(p, DTensor) else p for p in self.drafter.parameters()]
+        for state in self.optimizer.state.values():
+            local += [
+                v.to_local() if isinstance(v, DTensor) else v for v in state.values() if torch.is_tensor(v)
+            ]
+        bad = torch.stack([~torch.isfinite(t.detach()).all() for t in local]).any().float()
+        if float(self._all_reduce(bad)) > 0:
+            last = latest_checkpoint(self.out / "checkpoints") if self.out else None
+            raise NonFiniteError(
+                f"step {self.step}: the drafter's weights or optimizer state hold NaN or infinity, so no "
+                f"checkpoint is written; the last checkpoint, all finite: {last or 'none'}. Lower optim.lr "
+                "or check the data."
+            )
 
     def _mirror_run_files(self) -> None:
         for name in ("config.yaml", ENV_FILE, "metrics.jsonl", "train.log"):
