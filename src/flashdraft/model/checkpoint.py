@@ -2,7 +2,11 @@
 
 The directory holds config.json and model.safetensors exactly as SGLang, vLLM and the reference
 `dflash` package load them. Directories are written under a temporary name and renamed when
-complete, so a checkpoint is complete or absent; RUN/checkpoints/LATEST moves last.
+complete, so a checkpoint is complete or absent; RUN/checkpoints/LATEST moves last. A checkpoint of a
+step that exists already (a finished run resumed) replaces it without a moment where LATEST names
+nothing: the old one is renamed aside first and removed only after LATEST names the new one; a process
+killed in between leaves the old one aside, which `latest_checkpoint` and `remove_partial_checkpoints`
+put back. tests/test_faults.py makes every file operation of a save fail in turn.
 """
 
 from __future__ import annotations
@@ -92,20 +96,27 @@ def save_checkpoint(
     name = f"step_{step:06d}"
     final = ckpt_root / name
     tmp = ckpt_root / f".tmp-{name}"
+    aside = _aside(final)
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     write_zlab(drafter, tmp, weights=weights)
     for fname, writer in (extra_files or {}).items():
         writer(tmp / fname)
     _fsync_dir(tmp)
-    if final.exists():
-        shutil.rmtree(final)
+    if final.exists():  # the old one stays whole, under another name, until the new one is in place
+        shutil.rmtree(aside, ignore_errors=True)
+        os.replace(final, aside)
     os.replace(tmp, final)
     latest_tmp = ckpt_root / f".{LATEST}.tmp"
     latest_tmp.write_text(name + "\n")
     os.replace(latest_tmp, ckpt_root / LATEST)
     _fsync_dir(ckpt_root)
+    shutil.rmtree(aside, ignore_errors=True)
     return final
+
+
+def _aside(final: Path) -> Path:
+    return final.parent / f".replaced-{final.name}"
 
 
 def prune_checkpoints(ckpt_root: Path, keep: int, protect: Path | None = None) -> list[Path]:
@@ -123,16 +134,27 @@ def prune_checkpoints(ckpt_root: Path, keep: int, protect: Path | None = None) -
 
 
 def remove_partial_checkpoints(ckpt_root: Path) -> None:
-    """Delete what a killed save left behind: temporary directories never renamed."""
+    """Undo what a killed save left behind: temporary directories never renamed are deleted; a checkpoint
+    set aside for its replacement is put back if the replacement never arrived, else deleted."""
     for tmp in ckpt_root.glob(".tmp-*"):
         shutil.rmtree(tmp, ignore_errors=True)
+    for aside in ckpt_root.glob(".replaced-*"):
+        final = ckpt_root / aside.name.removeprefix(".replaced-")
+        if final.exists():
+            shutil.rmtree(aside, ignore_errors=True)
+        else:
+            os.replace(aside, final)
 
 
 def latest_checkpoint(ckpt_root: Path) -> Path | None:
+    """The checkpoint LATEST names (put back first, if a killed save had set it aside), or None."""
     marker = ckpt_root / LATEST
     if not marker.exists():
         return None
-    return ckpt_root / marker.read_text().strip()
+    path = ckpt_root / marker.read_text().strip()
+    if not path.exists() and _aside(path).is_dir():
+        os.replace(_aside(path), path)
+    return path
 
 
 def load_drafter(
