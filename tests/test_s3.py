@@ -166,8 +166,10 @@ def test_mirrored_checkpoint_has_every_file_then_its_marker_then_latest(server, 
     assert objects[prefix + "LATEST"] == b"step_000010\n"
     manifest = json.loads(objects[prefix + "step_000010/" + MARKER])["files"]
     assert manifest == {rel: len(data) for rel, data in files_of(ckpt).items()}
+    assert written[0] == "runs/a/.flashdraft-access-check"  # the check at start, deleted again
+    assert "runs/a/.flashdraft-access-check" not in objects
     assert written[-3:] == [prefix + "step_000010/" + MARKER, prefix + "LATEST", "runs/a/train.log"]
-    assert set(written[:-3]) == set(expected)
+    assert set(written[1:-3]) == set(expected)
 
 
 def test_a_file_that_cannot_be_written_leaves_the_directory_unmarked(server, monkeypatch, tmp_path, caplog):
@@ -332,3 +334,51 @@ def test_training_mirrors_to_s3_and_resumes_on_a_fresh_machine(
     assert (fresh / "checkpoints" / "LATEST").read_text().strip() == "step_000002"
     resumed.run()
     assert _json.loads((fresh / "result.json").read_text())["steps"] == 4
+
+
+def test_a_store_that_cannot_be_written_is_an_error_before_the_run_starts(server, monkeypatch, tmp_path):
+    new_bucket(server, monkeypatch, "exists")
+    with pytest.raises(ValueError, match=r"cannot write to s3://no-such-bucket/r \(NoSuchBucket"):
+        S3Mirror("s3://no-such-bucket/r")
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        closed = f"http://127.0.0.1:{s.getsockname()[1]}"
+    monkeypatch.setenv("AWS_ENDPOINT_URL", closed)
+    with pytest.raises(ValueError, match=r"cannot write to s3://exists/r \(EndpointConnectionError\)"):
+        S3Mirror("s3://exists/r")
+    with pytest.raises(ValueError, match=r"cannot read s3://exists/r"):
+        restore_run("s3://exists/r", tmp_path / "run")
+
+
+def test_a_run_whose_mirror_did_not_complete_ends_with_an_error_naming_it(
+    monkeypatch, tmp_path, tiny_target_dir
+):
+    """The store goes away after the start: training finishes, waits `s3_wait_s` for the mirror, and
+    stops with an error (exit 1 from the command) instead of exit 0 with nothing uploaded."""
+    from flashdraft.config import resolve_config
+    from flashdraft.data.packing import save_token_dataset
+    from flashdraft.train.trainer import MirrorIncomplete, build_trainer
+    from helpers import random_docs
+
+    srv = MotoServer()
+    srv.start()
+    try:
+        new_bucket(srv, monkeypatch, "runs")
+        save_token_dataset(random_docs([70, 90, 120, 60] * 3, seed=4, prompt_len=10), tmp_path / "data")
+        over = {
+            "data.seq_len": 128,
+            "data.rows_per_batch": 2,
+            "num_anchors": 8,
+            "max_steps": 2,
+            "s3_wait_s": 1,
+        }
+        cfg = resolve_config("default", **over, **{"drafter.num_layers": 1, "drafter.num_taps": 2})
+        trainer = build_trainer(cfg, tiny_target_dir, tmp_path / "data", tmp_path / "run", device="cpu",
+                                s3_url="s3://runs/r")  # fmt: skip
+    finally:
+        srv.stop()
+    with pytest.raises(MirrorIncomplete, match=r"uploads still queued after 1 s \(s3_wait_s\)"):
+        trainer.run()
+    assert (tmp_path / "run" / "result.json").is_file() and latest_checkpoint(
+        tmp_path / "run" / "checkpoints"
+    )

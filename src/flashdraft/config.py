@@ -106,6 +106,12 @@ class TrainConfig(_Strict):
     max_bad_steps: int = Field(5, ge=1, description="stop after this many consecutive non-finite steps")
     wandb: bool = Field(False, description="also log to Weights & Biases (offline unless WANDB_MODE is set)")
     keep_last: int | None = Field(None, ge=1, description="keep only the newest K checkpoints")
+    s3_wait_s: float = Field(
+        600.0,
+        gt=0,
+        description="the longest wait at the end of a run for the S3 mirror to finish; a mirror not "
+        "complete by then (or with an upload given up) ends the run with an error naming what is missing",
+    )
     seed: int = 0
     fsdp: bool = Field(
         False,

@@ -102,11 +102,11 @@ def train(
         )
     except (ValueError, FileNotFoundError) as e:
         _fail(str(e))
-    from flashdraft.train.trainer import NonFiniteError
+    from flashdraft.train.trainer import MirrorIncomplete, NonFiniteError
 
     try:
         result = _run_with_progress(trainer, cfg.log_every)
-    except NonFiniteError as e:
+    except (NonFiniteError, MirrorIncomplete) as e:
         trainer.close()
         _fail(str(e), code=1)
     if result is not None and trainer.topo.is_main:

@@ -37,6 +37,7 @@ CHECKPOINTS = "checkpoints"
 MARKER = ".complete"
 RUN_FILES = ("config.yaml", "env.json", "metrics.jsonl", "train.log")
 MAX_BACKOFF_S = 60.0
+ACCESS_PROBE = ".flashdraft-access-check"
 BUCKET_NAME = re.compile(r"[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9]")
 
 
@@ -139,7 +140,9 @@ class S3Mirror:
     """Copies run files to s3://bucket/prefix from one background thread; submitting never blocks.
 
     Jobs run in submission order. A job whose object cannot be written after `max_retries` retries
-    (delays backoff, 2*backoff, ... capped at MAX_BACKOFF_S) is given up and logged; later jobs go on.
+    (delays backoff, 2*backoff, ... capped at MAX_BACKOFF_S) is given up, logged and listed in `failed`;
+    later jobs go on. The store is checked at once (`check_access`): a wrong endpoint, bucket or
+    credentials is an error before the run starts, not a run that mirrors nothing.
     """
 
     def __init__(
@@ -147,14 +150,28 @@ class S3Mirror:
     ) -> None:
         bucket, prefix = parse_s3_url(url)
         self._store = _Store(s3_client(endpoint_url, attempts=1), bucket, prefix)
+        self.check_access()
         self.max_retries = max_retries
         self.backoff = backoff
+        self.failed: list[str] = []  # what was given up, for the end of the run to name
         self._jobs: queue.Queue[Callable[[], None] | None] = queue.Queue()
         self._lock = threading.Lock()
         self._pending = 0
         self._closed = False
         self._worker = threading.Thread(target=self._work, name="s3-mirror", daemon=True)
         self._worker.start()
+
+    def check_access(self) -> None:
+        """Write and delete a small object under the prefix; ValueError naming the store if it fails."""
+        key = self._store.key(ACCESS_PROBE)
+        try:
+            self._store.put(key, b"flashdraft checks it may write here\n")
+            self._store.client.delete_object(Bucket=self._store.bucket, Key=key)
+        except Exception as e:
+            raise ValueError(
+                f"cannot write to {self._store.url(self._store.key())} ({_describe(e)}): check the endpoint "
+                "(AWS_ENDPOINT_URL_S3), the bucket and the credentials in the environment"
+            ) from None
 
     def submit_file(self, path: Path, key: str) -> None:
         """Upload one file to prefix/key (e.g. "metrics.jsonl"); a later submit of the key overwrites it."""
@@ -197,8 +214,10 @@ class S3Mirror:
                 job()
             except UploadFailed as e:
                 log.error("s3 mirror: %s", e)
-            except Exception:  # a vanished local file or a failing on_done must not stop later jobs
+                self.failed.append(str(e))
+            except Exception as e:  # a vanished local file or a failing on_done must not stop later jobs
                 log.exception("s3 mirror: job failed")
+                self.failed.append(f"a job failed ({type(e).__name__})")
             finally:
                 with self._lock:
                     self._pending -= 1
@@ -255,7 +274,13 @@ def restore_run(url: str, local_run_dir: Path, endpoint_url: str | None = None) 
     """
     bucket, prefix = parse_s3_url(url)
     store = _Store(s3_client(endpoint_url), bucket, prefix)
-    found = _newest_complete(store)
+    try:
+        found = _newest_complete(store)
+    except Exception as e:
+        raise ValueError(
+            f"cannot read {url} ({_describe(e)}): check the endpoint (AWS_ENDPOINT_URL_S3), the bucket "
+            "and the credentials in the environment"
+        ) from None
     if found is None:
         return None
     name, files = found

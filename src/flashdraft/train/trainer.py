@@ -97,6 +97,10 @@ class NonFiniteError(RuntimeError):
     pass
 
 
+class MirrorIncomplete(RuntimeError):
+    """The run finished, but its S3 mirror did not."""
+
+
 class _Window:
     """What the steps since the last log line add up to (kept on the device until then)."""
 
@@ -563,14 +567,27 @@ class Trainer:
         ckpt = self.save()
         if main:
             log.close()
-            (self.out / "result.json").write_text(
-                json.dumps({"steps": self.total_steps, "first_loss": first, "final_loss": last})
-            )
+            finite = {
+                k: v if math.isfinite(v) else None for k, v in (("first_loss", first), ("final_loss", last))
+            }
+            (self.out / "result.json").write_text(json.dumps({"steps": self.total_steps, **finite}))
             if self.mirror is not None:
-                self._mirror_run_files()
-                if not self.mirror.close(timeout=600):
-                    print("warning: the S3 mirror did not finish uploading within 10 minutes", flush=True)
+                self._finish_mirror()
         return TrainResult(self.total_steps, last, first, ckpt)
+
+    def _finish_mirror(self) -> None:
+        """Wait at most `s3_wait_s` for the uploads; a mirror that did not complete is an error naming
+        what is missing (the run directory itself is whole)."""
+        self._mirror_run_files()
+        wait = self.cfg.s3_wait_s
+        finished = self.mirror.close(timeout=wait)
+        missing = list(self.mirror.failed)
+        if not finished:
+            missing.append(f"{self.mirror.pending()} uploads still queued after {wait:g} s (s3_wait_s)")
+        if missing:
+            raise MirrorIncomplete(
+                f"the S3 mirror is not complete; everything is in {self.out}, but: " + "; ".join(missing)
+            )
 
     def _metrics(self, stats: StepStats, window: _Window) -> dict:
         """The log line's numbers: the step's loss and accuracy, the window's rates (all ranks)."""
