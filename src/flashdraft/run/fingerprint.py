@@ -8,8 +8,10 @@ first. Written by hand because no library records interpreter, accelerator stack
 the project's git state and a hash of one package's source together; each piece comes from its own
 authority (importlib.metadata, torch, nvidia-smi, git).
 
-Nothing secret is recorded: environment variables only under a few compute prefixes and never a name
-that looks like a credential; the project's uncommitted changes only as a hash.
+Nothing secret is recorded: of the environment, only the variables of an allow-list (`RECORDED_ENV`:
+what changes how torch, CUDA, NCCL and Triton run), never one chosen by a pattern of names, which lets
+a `TORCH_STORE_PWD` or a `TRITON_REMOTE_CACHE_CREDS` through; the project's uncommitted changes only as
+a hash.
 """
 
 from __future__ import annotations
@@ -34,8 +36,22 @@ import flashdraft
 import flashdraft.model
 
 ENV_FILE = "env.json"  # RUN/env.json and RUN/checkpoints/step_NNNNNN/env.json
-ENV_PREFIXES = ("CUDA_", "NCCL_", "TORCH", "PYTORCH_", "TRITON_", "OMP_")
-SECRET_NAME = re.compile(r"KEY|SECRET|TOKEN|PASS|CREDENTIAL|AUTH|URL|URI", re.IGNORECASE)
+# the environment variables recorded (an allow-list: a variable not named here is never written)
+RECORDED_ENV = frozenset(
+    {
+        "CUDA_VISIBLE_DEVICES", "CUDA_LAUNCH_BLOCKING", "CUDA_DEVICE_MAX_CONNECTIONS", "CUDA_MODULE_LOADING",
+        "NCCL_DEBUG", "NCCL_ALGO", "NCCL_PROTO", "NCCL_P2P_DISABLE", "NCCL_P2P_LEVEL", "NCCL_IB_DISABLE",
+        "NCCL_NVLS_ENABLE", "NCCL_CUMEM_ENABLE", "NCCL_SOCKET_IFNAME", "NCCL_NET_GDR_LEVEL",
+        "NCCL_BUFFSIZE", "NCCL_MIN_NCHANNELS", "NCCL_MAX_NCHANNELS", "NVSHMEM_DISABLE_NVLS",
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING", "TORCH_NCCL_BLOCKING_WAIT", "TORCH_NCCL_TRACE_BUFFER_SIZE",
+        "TORCH_SYMM_MEM_DISABLE_MULTICAST", "TORCH_CUDA_ARCH_LIST", "TORCH_LOGS", "TORCH_COMPILE_DEBUG",
+        "TORCHDYNAMO_DISABLE", "TORCHINDUCTOR_CACHE_DIR", "TORCHINDUCTOR_FX_GRAPH_CACHE",
+        "TORCHINDUCTOR_AUTOGRAD_CACHE", "TORCHINDUCTOR_MAX_AUTOTUNE", "TORCHINDUCTOR_COMPILE_THREADS",
+        "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_NO_CUDA_MEMORY_CACHING", "TRITON_CACHE_DIR", "TRITON_INTERPRET",
+        "TRITON_DEBUG", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "TOKENIZERS_PARALLELISM",
+        "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE",
+    }
+)  # fmt: skip
 
 # Packages compared under "libraries" as imported, packages of the accelerator stack (rank 1) and
 # packages the training code calls directly (rank 3).
@@ -244,12 +260,8 @@ def _tree_size(path: Path) -> int:
 
 
 def safe_environment() -> dict[str, str]:
-    """Compute-related variables (CUDA_VISIBLE_DEVICES, NCCL_*, TORCH*...), never one named like a secret."""
-    return {
-        k: v
-        for k, v in sorted(os.environ.items())
-        if k.startswith(ENV_PREFIXES) and not SECRET_NAME.search(k)
-    }
+    """The variables of RECORDED_ENV that are set, and no other."""
+    return {k: v for k, v in sorted(os.environ.items()) if k in RECORDED_ENV}
 
 
 def diff_fingerprints(old: dict, new: dict) -> list[Change]:
