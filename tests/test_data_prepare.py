@@ -100,8 +100,8 @@ def test_strict_stops_at_the_first_bad_record(tiny_tokenizer, mixed_input, tmp_p
     first_line, (first_raw, reason) = min(bad_at.items())
     with pytest.raises(StrictStop, match=f"{path}:{first_line}: {reason}"):
         run_prepare(tiny_tokenizer, path, tmp_path / "out", strict=True)
-    assert (tmp_path / "out" / "rejected.jsonl").read_bytes() == first_raw + b"\n"
-    assert not (tmp_path / "out" / "shards").exists()
+    assert (tmp_path / "out" / "rejected.stopped.jsonl").read_bytes() == first_raw + b"\n"
+    assert not (tmp_path / "out" / "shards").exists() and not (tmp_path / "out" / "rejected.jsonl").exists()
 
 
 def test_long_conversations_are_truncated_or_dropped(tiny_tokenizer, tmp_path):
@@ -245,3 +245,37 @@ def test_cli_prepare_missing_input_exits_with_status_2(tokenizer_dir, tmp_path):
     ]
     result = CliRunner().invoke(data_app, args)
     assert result.exit_code == 2 and "no such file" in result.stderr
+
+
+def _outputs(out) -> dict[str, bytes]:
+    return {p.relative_to(out).as_posix(): p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()}
+
+
+def test_a_prepared_dataset_is_never_destroyed_by_a_later_run(tokenizer_dir, mixed_input, tmp_path):
+    """A typo in --input, a --strict stop and a second run into the same OUT leave OUT's outputs as they
+    were; --overwrite replaces them, even from one of OUT's own files, once the new ones are complete."""
+    path, bad_at = mixed_input
+    out = tmp_path / "out"
+    base = ["prepare", "--target", str(tokenizer_dir), "--out", str(out), "--max-length", str(MAX_LENGTH)]
+    assert CliRunner().invoke(data_app, [*base, "--input", str(path)]).exit_code == 0
+    before = _outputs(out)
+    assert json.loads(before["stats.json"])["rejected"] == len(bad_at) > 0
+
+    again = CliRunner().invoke(data_app, [*base, "--input", str(path)])
+    assert (
+        again.exit_code == 2 and "holds a prepared dataset" in again.stderr and "--overwrite" in again.stderr
+    )
+    typo = CliRunner().invoke(data_app, [*base, "--input", str(tmp_path / "typo.jsonl"), "--overwrite"])
+    assert typo.exit_code == 2 and "no such file" in typo.stderr
+    stop = CliRunner().invoke(data_app, [*base, "--input", str(path), "--overwrite", "--strict"])
+    assert stop.exit_code == 2 and "rejected.stopped.jsonl" in stop.stderr
+    assert _outputs(out) == before | {"rejected.stopped.jsonl": (out / "rejected.stopped.jsonl").read_bytes()}
+
+    inside = CliRunner().invoke(data_app, [*base, "--input", str(out / "rejected.jsonl")])
+    assert inside.exit_code == 2 and "is one of its files" in inside.stderr
+    recheck = CliRunner().invoke(data_app, [*base, "--input", str(out / "rejected.jsonl"), "--overwrite"])
+    stats = json.loads((out / "stats.json").read_text())
+    assert recheck.exit_code == 1 and "no record was kept" in recheck.stderr  # every line was a bad record
+    assert stats["records_read"] == len(bad_at) == stats["rejected"] and stats["kept"] == 0
+    assert (out / "rejected.jsonl").read_bytes() == before["rejected.jsonl"]  # the same bad records, again
+    assert not [p for p in out.iterdir() if p.name.startswith(".")]

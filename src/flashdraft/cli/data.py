@@ -53,6 +53,9 @@ def prepare(
     num_proc: int = typer.Option(min(os.cpu_count() or 1, 16), min=1, help="tokenizer processes (at most)"),
     strict: bool = typer.Option(False, help="stop with exit status 2 at the first bad record"),
     cache_dir: Path | None = typer.Option(None, help="tokenization cache (default: the `datasets` cache)"),
+    overwrite: bool = typer.Option(
+        False, "--overwrite", help="replace the dataset OUT holds (only once the new one is complete)"
+    ),
 ) -> None:
     """Validate chat records, tokenize them with the target's chat template, write token shards + stats.
 
@@ -72,13 +75,17 @@ def prepare(
         strict=strict,
         split=split,
         cache_dir=cache_dir,
+        overwrite=overwrite,
     )
     try:
         tokenizer = load_tokenizer(target)
         _warn_if_thinking_ignored(thinking, options.chat_template or tokenizer.chat_template)
         stats = prepare_dataset(input, tokenizer, out, options)
     except StrictStop:
-        _fail("stopped at the first bad record (--strict); it is copied to " + str(out / "rejected.jsonl"))
+        _fail(
+            f"stopped at the first bad record (--strict); it is copied to {out / 'rejected.stopped.jsonl'}, "
+            "and what OUT held before is untouched"
+        )
     except (OSError, ValueError, SourceError) as e:
         _fail(str(e))
     _report_prepare(stats, out)

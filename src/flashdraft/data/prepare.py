@@ -8,6 +8,13 @@ rejected the same way. The map's result is cached under a key of the validated r
 the options and the tokenizer code, so preparing the same data again costs one validation pass. The kept
 documents are written as DIR/shards (`datasets.save_to_disk`, read back by `packing.load_token_dataset`)
 with columns id, input_ids, loss_mask and length (so packing never reads every token list for lengths).
+
+Nothing a run has written is lost to a later one: every output is written into DIR/.prepare-new and
+swapped in only when all of it is complete (shards, then rejected.jsonl, then stats.json), so a source
+that cannot be read, a --strict stop or a crash leaves DIR's previous outputs whole; a --strict stop's
+rejects go to DIR/rejected.stopped.jsonl beside them. A DIR that holds a prepared dataset already is
+refused unless `overwrite` is set, and the source may then even be one of DIR's own files (it is read
+before anything is swapped).
 """
 
 from __future__ import annotations
@@ -32,6 +39,8 @@ from flashdraft.data.tokenize import check_tokenizer, tokenize_conversation, tru
 
 REJECTED = "rejected.jsonl"
 STATS = "stats.json"
+STOPPED = "rejected.stopped.jsonl"  # the rejects of a run --strict stopped
+STAGE = ".prepare-new"
 _RECORDS_PER_PROC = 256  # below this many records per process, extra processes cost more than they save
 
 
@@ -45,6 +54,7 @@ class PrepareOptions:
     strict: bool = False  # stop at the first bad record
     split: str = "train"  # for `datasets` sources
     cache_dir: Path | None = None  # tokenization cache; default: the `datasets` cache
+    overwrite: bool = False  # replace the prepared dataset DIR holds
 
 
 class StrictStop(RuntimeError):
@@ -112,22 +122,48 @@ def _prepare(
     echo = echo or (lambda line: print(line, file=sys.stderr))
     check_tokenizer(tokenizer, options.chat_template)
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    work = out / ".prepare-work"
-    shutil.rmtree(work, ignore_errors=True)
-    work.mkdir()
+    held = [name for name in (STATS, SHARDS, REJECTED) if (out / name).exists()]
+    if held and not options.overwrite:
+        inside = Path(source).resolve().is_relative_to(out.resolve()) if Path(source).exists() else False
+        raise ValueError(
+            f"{out} holds a prepared dataset ({', '.join(held)})"
+            + (f" and the input {source} is one of its files" if inside else "")
+            + ": pass --overwrite to replace it (nothing is replaced until the new one is complete), or "
+            "write to another --out"
+        )
+    stage = out / STAGE
+    shutil.rmtree(stage, ignore_errors=True)
+    (stage / "work").mkdir(parents=True)
     try:
-        with open(out / REJECTED, "wb") as rejected_file:
+        with open(stage / REJECTED, "wb") as rejected_file:
             rejects = Rejects(rejected_file, options.strict, echo)
-            validated, n_read, digest = _validate(raw_records, rejects, work / "validated.arrow")
+            validated, n_read, digest = _validate(raw_records, rejects, stage / "work" / "validated.arrow")
             tokenized = _tokenize(validated, tokenizer, options, _cache_key(digest, tokenizer, options))
             kept = _keep(validated, tokenized, rejects)
-        _save_shards(kept, out)
+        _save_shards(kept, stage)
         stats = _stats(source, tokenizer, options, n_read, tokenized, kept, rejects.counts)
+        (stage / STATS).write_text(json.dumps(stats, indent=2) + "\n")
+    except StrictStop:
+        os.replace(stage / REJECTED, out / STOPPED)
+        raise
     finally:
-        shutil.rmtree(work, ignore_errors=True)
-    (out / STATS).write_text(json.dumps(stats, indent=2) + "\n")
+        shutil.rmtree(stage / "work", ignore_errors=True)
+    _swap_in(stage, out)
     return stats
+
+
+def _swap_in(stage: Path, out: Path) -> None:
+    """The complete new outputs replace the old ones: shards (the old set aside until the new is in
+    place), rejected.jsonl, then stats.json, which describes them."""
+    aside = out / f".{SHARDS}.old"
+    shutil.rmtree(aside, ignore_errors=True)
+    if (out / SHARDS).exists():
+        os.replace(out / SHARDS, aside)
+    os.replace(stage / SHARDS, out / SHARDS)
+    os.replace(stage / REJECTED, out / REJECTED)
+    os.replace(stage / STATS, out / STATS)
+    shutil.rmtree(aside, ignore_errors=True)
+    shutil.rmtree(stage, ignore_errors=True)
 
 
 def _validate(raw_records: Iterable[RawRecord], rejects: Rejects, arrow_path: Path):
@@ -248,14 +284,9 @@ def _keep(validated, tokenized, rejects: Rejects):
     return tokenized.select(good, keep_in_memory=True)
 
 
-def _save_shards(kept, out: Path) -> None:
-    """Write DIR/shards next to the old one, then swap, so a failed run leaves the previous shards whole."""
-    tmp, final = out / f"{SHARDS}.tmp", out / SHARDS
-    shutil.rmtree(tmp, ignore_errors=True)
+def _save_shards(kept, stage: Path) -> None:
     columns = kept.select_columns(["id", "input_ids", "loss_mask", "length"])
-    columns.save_to_disk(str(tmp), num_shards=None if len(kept) else 1)  # 0 shards would not load
-    shutil.rmtree(final, ignore_errors=True)
-    tmp.rename(final)
+    columns.save_to_disk(str(stage / SHARDS), num_shards=None if len(kept) else 1)  # 0 shards would not load
 
 
 def _stats(

@@ -335,6 +335,7 @@ def prepare(out: Path, budget_s: float, scale: Scale, console: Console) -> Prepa
         max_length=4 * (scale.prompt_tokens + scale.response_tokens),
         cache_dir=out / "cache",
         num_proc=scale.prepare_procs,
+        overwrite=True,  # the demo's own directories, written again by each run
     )
     val_dir = None
     if scale.val_conversations:

@@ -205,7 +205,7 @@ def run_real_target(
 
     data_dir = out / "data"
     stats = prepare_dataset(
-        str(conversations), tokenizer, data_dir, PrepareOptions(max_length=1024, cache_dir=out / "cache")
+        str(conversations), tokenizer, data_dir, PrepareOptions(1024, cache_dir=out / "cache", overwrite=True)
     )
     console.print(f"data: {stats['kept']} conversations, {stats['loss_tokens']} loss tokens -> {data_dir}")
     clock.lap("prepare_s")
