@@ -149,3 +149,52 @@ def test_no_checkpoint_holds_a_non_finite_weight_and_none_such_prunes_a_good_one
         trainer.save()
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["LATEST", good.name]
     assert (out / "checkpoints" / "LATEST").read_text().strip() == good.name
+
+
+def test_a_run_directory_is_continued_or_replaced_only_when_asked(tmp_path, tiny_target_dir, data_dir):
+    out = tmp_path / "run"
+    first = build_trainer(_cfg(max_steps=2), tiny_target_dir, data_dir, out, device="cpu")
+    first.run()
+    with pytest.raises(ValueError, match=f"{out} holds a run .*--resume {out} continues it, --overwrite"):
+        build_trainer(_cfg(max_steps=2), tiny_target_dir, data_dir, out, device="cpu")
+    again = build_trainer(_cfg(max_steps=1), tiny_target_dir, data_dir, out, device="cpu", overwrite=True)
+    again.run()
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["LATEST", "step_000001"]
+
+
+def test_a_resume_refuses_other_data_or_another_target_of_the_same_shape(tmp_path, tiny_target_dir, data_dir):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out = tmp_path / "run"
+    t = build_trainer(_cfg(), tiny_target_dir, data_dir, out, device="cpu")
+    t.run()
+    other_data = tmp_path / "other-data"
+    save_token_dataset(random_docs([80, 90, 100, 70, 110, 60] * 2, seed=9, prompt_len=10), other_data)
+    with pytest.raises(ValueError, match="cannot resume .*: the data is not the one it was trained on"):
+        build_trainer(_cfg(), tiny_target_dir, other_data, out, device="cpu", resume=True)
+    twin = tmp_path / "twin"  # the same shape and tokenizer, other weights
+    model = AutoModelForCausalLM.from_pretrained(tiny_target_dir)
+    with torch.no_grad():
+        model.model.norm.weight.mul_(1.5)
+    model.save_pretrained(twin)
+    AutoTokenizer.from_pretrained(tiny_target_dir).save_pretrained(twin)
+    with pytest.raises(ValueError, match="cannot resume .*: the target is not the one it was trained on"):
+        build_trainer(_cfg(), twin, data_dir, out, device="cpu", resume=True)
+
+
+def test_data_made_for_another_tokenizer_or_vocabulary_is_refused_before_training(
+    tmp_path, tiny_target_dir, tiny_tokenizer
+):
+    from flashdraft.data.prepare import prepare_records
+    from flashdraft.demo.tiny import build_tokenizer
+
+    turns = lambda i: [{"role": "user", "content": f"q{i} " * 8}, {"role": "assistant", "content": "a " * 30}]  # noqa: E731
+    chats = [{"messages": turns(i)} for i in range(8)]
+    other = build_tokenizer(["some other text to learn a vocabulary from " * 50], vocab_size=300)
+    prepare_records(chats, other, tmp_path / "other", echo=lambda _: None)
+    with pytest.raises(ValueError, match="prepared with .*whose tokenizer differs from the target's"):
+        build_trainer(_cfg(), tiny_target_dir, tmp_path / "other", tmp_path / "run", device="cpu")
+    big = tmp_path / "big-ids"
+    save_token_dataset([{"input_ids": [5] * 40 + [len(tiny_tokenizer) + 7], "loss_mask": [1] * 41}] * 8, big)
+    with pytest.raises(ValueError, match=f"token id {len(tiny_tokenizer) + 7} is beyond the target's"):
+        build_trainer(_cfg(), tiny_target_dir, big, tmp_path / "run2", device="cpu")

@@ -54,6 +54,9 @@ def train(
     plan: bool = typer.Option(
         False, "--plan", help="print layout, memory per rank and balance; do not train"
     ),
+    overwrite: bool = typer.Option(
+        False, "--overwrite", help="--out holds a run: delete it and start again (without: refused)"
+    ),
     trust_compile_cache: bool = typer.Option(
         False,
         "--trust-compile-cache",
@@ -98,7 +101,7 @@ def train(
         }
         cfg = resolve_config(preset, config, **over)
         trainer = build_trainer(
-            cfg, target, str(data), str(out), device, layout, resume is not None, s3, backend
+            cfg, target, str(data), str(out), device, layout, resume is not None, s3, backend, overwrite
         )
     except (ValueError, FileNotFoundError) as e:
         _fail(str(e))

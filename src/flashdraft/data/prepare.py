@@ -36,6 +36,7 @@ from flashdraft.data import tokenize as tokenize_module
 from flashdraft.data.formats import REASONS, ConversationError, RawRecord, iter_raw_records, parse_record
 from flashdraft.data.packing import SHARDS
 from flashdraft.data.tokenize import check_tokenizer, tokenize_conversation, truncate
+from flashdraft.run.provenance import tokenizer_sha256
 
 REJECTED = "rejected.jsonl"
 STATS = "stats.json"
@@ -298,6 +299,7 @@ def _stats(
     return {
         "source": source,
         "tokenizer": getattr(tokenizer, "name_or_path", ""),
+        "tokenizer_sha256": tokenizer_sha256(tokenizer),  # checked by `flashdraft train` against the target
         "options": {k: v for k, v in asdict(options).items() if k not in ("chat_template", "cache_dir")},
         "records_read": n_read,
         "kept": len(kept),

@@ -419,7 +419,7 @@ def run_pipeline(out: Path, budget_minutes: float, scale: Scale) -> dict:
     val = prep.summary.get("val_dir")
     cfg = resolve_config(scale.preset, **scale.drafter, log_every=25, max_steps=steps, val_data=val)
     trainer = build_trainer(
-        cfg, str(prep.target_dir), str(prep.data_dir), str(out / "run"), device=scale.device
+        cfg, str(prep.target_dir), str(prep.data_dir), str(out / "run"), device=scale.device, overwrite=True
     )
     with _progress(console) as progress:
         task = progress.add_task("drafter", total=trainer.total_steps)

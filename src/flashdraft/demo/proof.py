@@ -102,7 +102,13 @@ def start_drafter(
     config = {**scale.drafter, **extra, "log_every": log_every}
     cmd = [sys.executable, "-m", "flashdraft.cli.main", "train", "--target", str(target_dir)]
     cmd += ["--data", str(data_dir), "--out", str(run_dir), "--preset", scale.preset]
-    cmd += ["--device", scale.device, "--max-steps", str(steps)]
+    cmd += [
+        "--device",
+        scale.device,
+        "--max-steps",
+        str(steps),
+        "--overwrite",
+    ]  # a stage redone starts afresh
     if prompts is not None:
         config |= {"eval_num_prompts": scale.probe_prompts, "eval_max_new_tokens": scale.response_tokens}
         every = log_every * max(1, -(-steps // (2 * log_every)))  # halfway; the last step probes anyway

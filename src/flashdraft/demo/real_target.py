@@ -213,7 +213,9 @@ def run_real_target(
     mask = tokenizer.convert_tokens_to_ids(MASK_TOKEN)
     settings = {**scale.train, "drafter.mask_token_id": mask}
     calibration = resolve_config("tiny_cpu" if scale.device == "cpu" else "default", **settings, max_steps=3)
-    probe = build_trainer(calibration, str(target_dir), str(data_dir), str(out / "calibration"), scale.device)
+    probe = build_trainer(
+        calibration, str(target_dir), str(data_dir), str(out / "calibration"), scale.device, overwrite=True
+    )
     probe.train_step()
     t0 = time.time()
     for _ in range(2):
@@ -222,7 +224,9 @@ def run_real_target(
     probe.close()
     steps = max(10, int((clock.left(budget) - eval_s) / step_s))
     cfg = resolve_config("tiny_cpu" if scale.device == "cpu" else "default", **settings, max_steps=steps)
-    trainer = build_trainer(cfg, str(target_dir), str(data_dir), str(out / "run"), scale.device)
+    trainer = build_trainer(
+        cfg, str(target_dir), str(data_dir), str(out / "run"), scale.device, overwrite=True
+    )
     with console.status(f"the drafter trains for {steps} steps ({step_s:.2f} s a step): flashdraft train"):
         result = trainer.run()
     tokens = sum(trainer.stream[m].num_tokens for m in range(result.steps))  # one micro-batch a step

@@ -12,12 +12,14 @@ import contextlib
 import gc
 import json
 import math
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import yaml
 from torch.distributed.tensor import DTensor
 
 from flashdraft.config import TrainConfig, save_config
@@ -35,6 +37,7 @@ from flashdraft.model.checkpoint import (
 from flashdraft.model.drafter import DFlashDrafter, drafter_config
 from flashdraft.model.target import Target, choose_packing, decoder_layers, load_target, target_record
 from flashdraft.run.fingerprint import ENV_FILE, fingerprint
+from flashdraft.run.provenance import check_data_fits_target, check_resume_record, run_record
 from flashdraft.train.blocks import default_gamma, row_generators, walk_lengths
 from flashdraft.train.compile import (
     ARTIFACTS,
@@ -226,13 +229,27 @@ def build_trainer(
     resume: bool = False,
     s3_url: str | None = None,
     backend: str = "auto",
+    overwrite: bool = False,
 ) -> Trainer:
     """Read the world, load the target and the token dataset, build the drafter: a Trainer ready to run.
 
     With `s3_url`, checkpoints and logs are mirrored there; resuming with an empty `out_dir` first
-    restores the run's newest complete checkpoint from it (a fresh machine).
+    restores the run's newest complete checkpoint from it (a fresh machine). An `out_dir` holding a run
+    is refused unless `resume` (continue it) or `overwrite` (delete it and start again); a resume checks
+    the target and data against the run's record (flashdraft.run.provenance).
     """
     topo = init_topology(layout, device, backend)
+    out = Path(out_dir)
+    existing = [n for n in ("config.yaml", "checkpoints") if (out / n).exists()]
+    if existing and not resume:
+        if not overwrite:
+            raise ValueError(
+                f"{out} holds a run ({', '.join(existing)}): --resume {out} continues it, --overwrite "
+                "deletes it and starts again, or choose another --out"
+            )
+        if topo.is_main:
+            shutil.rmtree(out)
+        topo.barrier()
     if resume and s3_url and topo.is_main and latest_checkpoint(Path(out_dir) / "checkpoints") is None:
         from flashdraft.run.s3 import restore_run
 
@@ -254,7 +271,12 @@ def build_trainer(
     if pad is None:
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     rows = (cfg.data.seq_len, cfg.data.rows_per_batch, pad, cfg.seed, packing == "one_document")
-    loader = PackedLoader(load_token_dataset(data_dir), *rows)
+    dataset = load_token_dataset(data_dir)
+    check_data_fits_target(data_dir, dataset, tokenizer, model.get_input_embeddings().num_embeddings)
+    record = run_record(target_path, model, data_dir, dataset)
+    if resume and (out / "config.yaml").is_file():
+        check_resume_record(yaml.safe_load((out / "config.yaml").read_text()) or {}, record, out)
+    loader = PackedLoader(dataset, *rows)
     stream = MicroBatchStream(loader, cfg.epochs)
     per_step = cfg.grad_accum * topo.num_drafters
     if len(stream) < per_step:
@@ -274,7 +296,7 @@ def build_trainer(
                 f"val_data {cfg.val_data}: too little for one micro-batch of "
                 f"{cfg.data.rows_per_batch} x {cfg.data.seq_len} tokens"
             )
-    meta = {"target": str(target_path)}
+    meta = record
     trainer = Trainer(cfg, model, drafter, stream, total_steps, topo, out_dir, meta, resume, packing)
     trainer.val_loader = val
     if s3_url and topo.is_main:
