@@ -89,7 +89,7 @@ def line(*turns, **extra) -> bytes:
         (line(*QA, id=[1]), "bad_id"),
         (line(("wizard", "q"), ("assistant", "a")), "unknown_role"),
         (line(*QA).replace(b'"role": "user", ', b""), "unknown_role"),
-        (line(("user", [{"type": "text"}]), ("assistant", "a")), "non_string_content"),
+        (line(("user", [{"type": "text"}]), ("assistant", "a")), "non_text_content"),
         (line(("user", "q"), ("assistant", None)), "non_string_content"),
         (line(("user", "q")), "missing_assistant"),
         (line(("user", "q"), ("assistant", "  \n")), "empty_assistant"),

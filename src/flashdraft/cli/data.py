@@ -56,6 +56,9 @@ def prepare(
     overwrite: bool = typer.Option(
         False, "--overwrite", help="replace the dataset OUT holds (only once the new one is complete)"
     ),
+    max_record_bytes: int = typer.Option(
+        16 << 20, min=1024, help="a longer JSONL line is rejected unread (too_large): memory stays bounded"
+    ),
 ) -> None:
     """Validate chat records, tokenize them with the target's chat template, write token shards + stats.
 
@@ -76,6 +79,7 @@ def prepare(
         split=split,
         cache_dir=cache_dir,
         overwrite=overwrite,
+        max_record_bytes=max_record_bytes,
     )
     try:
         tokenizer = load_tokenizer(target)

@@ -3,9 +3,12 @@
 `flashdraft data prepare` and `flashdraft data regenerate` both read OpenAI-style
 `{"messages": [{"role", "content"}]}` and ShareGPT-style `{"conversations": [{"from", "value"}]}` records
 from JSONL, a JSON array, Parquet, or anything `datasets.load_dataset` loads (a hub id, a local dataset
-folder). Each record keeps where it came from (FILE:LINE; the row number for Parquet and datasets) and its
+folder); JSONL and JSON files may be compressed (.gz, .bz2, .xz) and may start with a UTF-8 byte-order
+mark. Each record keeps where it came from (FILE:LINE; the row number for Parquet and datasets) and its
 raw bytes, so a bad one is reported where it is and copied verbatim to a rejects file instead of vanishing.
-Validation failures are `ConversationError`s carrying a short reason code that stats files count by.
+A line longer than MAX_RECORD_BYTES is never held whole: it is read in chunks, rejected as `too_large`,
+and its rejects line holds its first KiB, so memory stays bounded whatever the input. Validation failures
+are `ConversationError`s carrying a short reason code that stats files count by.
 """
 
 from __future__ import annotations
@@ -28,7 +31,16 @@ REASONS = (
     "template_error",
     "too_long",
     "no_loss_tokens",
+    "too_large",
+    "duplicate_id",
+    "assistant_first",
+    "tool_turn",
+    "non_text_content",
 )
+MAX_RECORD_BYTES = 16 << 20  # a conversation of millions of tokens: larger lines are refused unread
+_BOM = b"\xef\xbb\xbf"
+_COMPRESSED = {".gz": "gzip", ".bz2": "bz2", ".xz": "lzma"}
+_TOOL_ROLES = ("tool", "function", "ipython")
 
 ROLE_ALIASES = {
     "system": "system",
@@ -57,6 +69,7 @@ class RawRecord:
     source: str
     line: int
     raw: bytes
+    oversize: int = 0  # the line's size when over MAX_RECORD_BYTES (raw then holds its first KiB only)
 
     @property
     def where(self) -> str:
@@ -86,20 +99,35 @@ def with_reasoning(content: str, reasoning: str) -> str:
 # ---------------------------------------------------------------------------------------------- reading
 
 
-def iter_raw_records(source: str, split: str = "train") -> Iterator[RawRecord]:
-    """Every record of `source` in order: a JSONL, JSON-array or Parquet file, else a `datasets` dataset."""
+def iter_raw_records(
+    source: str, split: str = "train", max_record_bytes: int = MAX_RECORD_BYTES
+) -> Iterator[RawRecord]:
+    """Every record of `source` in order: a JSONL, JSON-array or Parquet file, else a `datasets` dataset;
+    a JSONL line over `max_record_bytes` comes as an unread `oversize` record."""
     path = Path(source)
+    suffix = _inner_suffix(path)
     if path.is_file():
-        if path.suffix == ".parquet":
+        if suffix == ".parquet":
             yield from _parquet_records(path, source)
-        elif path.suffix != ".jsonl" and _starts_with_bracket(path):
+        elif suffix != ".jsonl" and _starts_with_bracket(path):
             yield from _json_array_records(path, source)
         else:
-            yield from _jsonl_records(path, source)
-    elif path.suffix in (".jsonl", ".json", ".parquet"):  # a file name, not a dataset id: fail now, offline
+            yield from _jsonl_records(path, source, max_record_bytes)
+    elif suffix in (".jsonl", ".json", ".parquet"):  # a file name, not a dataset id: fail now, offline
         raise SourceError(f"{source}: no such file")
     else:
         yield from _dataset_records(source, split)
+
+
+def _inner_suffix(path: Path) -> str:
+    """The format's suffix, under a compression suffix if there is one (data.jsonl.gz -> .jsonl)."""
+    return Path(path.stem).suffix if path.suffix in _COMPRESSED else path.suffix
+
+
+def _open_binary(path: Path):
+    if path.suffix in _COMPRESSED:
+        return __import__(_COMPRESSED[path.suffix]).open(path, "rb")
+    return open(path, "rb")
 
 
 def count_records(source: str, split: str = "train") -> int:
@@ -111,19 +139,34 @@ def count_records(source: str, split: str = "train") -> int:
     return sum(1 for _ in iter_raw_records(source, split))
 
 
-def _jsonl_records(path: Path, source: str) -> Iterator[RawRecord]:
-    with open(path, "rb") as f:
-        for n, line in enumerate(f, 1):
-            if line.strip():
-                yield RawRecord(source, n, line.rstrip(b"\r\n"))
+def _jsonl_records(path: Path, source: str, limit: int = MAX_RECORD_BYTES) -> Iterator[RawRecord]:
+    try:
+        with _open_binary(path) as f:
+            n = 0
+            while line := f.readline(limit + 1):
+                n += 1
+                if n == 1:
+                    line = line.removeprefix(_BOM)
+                if len(line) > limit and not line.endswith(b"\n"):  # read the rest in chunks, keep none
+                    size = len(line)
+                    while (more := f.readline(1 << 20)) and not more.endswith(b"\n"):
+                        size += len(more)
+                    yield RawRecord(source, n, line[:1024], oversize=size + len(more))
+                elif line.strip():
+                    yield RawRecord(source, n, line.rstrip(b"\r\n"))
+    except (OSError, EOFError) as e:  # a corrupt or truncated compressed file
+        raise SourceError(f"{source}: cannot read: {e}") from e
 
 
 def _starts_with_bracket(path: Path) -> bool:
-    with open(path, "rb") as f:
-        while chunk := f.read(4096):
-            stripped = chunk.lstrip()
-            if stripped:
-                return stripped.startswith(b"[")
+    try:
+        with _open_binary(path) as f:
+            while chunk := f.read(4096):
+                stripped = chunk.removeprefix(_BOM).lstrip()
+                if stripped:
+                    return stripped.startswith(b"[")
+    except (OSError, EOFError) as e:
+        raise SourceError(f"{path}: cannot read: {e}") from e
     return False
 
 
@@ -133,7 +176,8 @@ def _json_array_records(path: Path, source: str) -> Iterator[RawRecord]:
     Invalid UTF-8 survives decoding as surrogate escapes and is re-encoded to the original bytes, so that
     element is rejected on its own. A syntax error breaks record boundaries: the whole source fails.
     """
-    text = path.read_bytes().decode("utf-8", "surrogateescape")
+    with _open_binary(path) as f:
+        text = f.read().removeprefix(_BOM).decode("utf-8", "surrogateescape")
     decoder = json.JSONDecoder()
     pos = _skip_space(text, text.index("[") + 1)
     line = 1 + text.count("\n", 0, pos)
@@ -200,6 +244,10 @@ def parse_record(record: RawRecord, require_answers: bool = True) -> Conversatio
 
     `require_answers=False` (regeneration) accepts missing or empty assistant turns: the target writes them.
     """
+    if record.oversize:
+        raise ConversationError(
+            "too_large", f"{record.oversize} bytes, over the record size limit (max_record_bytes); not read"
+        )
     obj = _decode(record.raw)
     if not isinstance(obj, dict):
         raise ConversationError("bad_structure", f"expected a JSON object, got {type(obj).__name__}")
@@ -210,6 +258,11 @@ def parse_record(record: RawRecord, require_answers: bool = True) -> Conversatio
     system = obj.get("system")  # some ShareGPT exports keep the system prompt beside the turns
     if isinstance(system, str) and system and messages[0]["role"] != "system":
         messages.insert(0, {"role": "system", "content": system})
+    opening = next((m for m in messages if m["role"] != "system"), None)
+    if opening is not None and opening["role"] == "assistant":
+        raise ConversationError(
+            "assistant_first", "the conversation opens with an assistant turn: no request for it to answer"
+        )
     if require_answers:
         _check_answers(messages)
     return Conversation(_record_id(obj.get("id"), record), messages, record.where)
@@ -224,16 +277,25 @@ def _decode(raw: bytes) -> object:
         return json.loads(text)
     except json.JSONDecodeError as e:
         raise ConversationError("malformed_json", f"not valid JSON: {e.msg} at column {e.colno}") from e
+    except RecursionError:
+        raise ConversationError("malformed_json", "nested too deeply to read") from None
 
 
 def _message(turn: object, i: int) -> dict[str, str]:
     if not isinstance(turn, dict):
         raise ConversationError("bad_structure", f"turn {i} is a {type(turn).__name__}, not an object")
     role = turn.get("role", turn.get("from"))
+    tool_role = isinstance(role, str) and role.lower() in _TOOL_ROLES
+    if tool_role or turn.get("tool_calls") or turn.get("function_call"):
+        raise ConversationError(
+            "tool_turn", f"turn {i}: a tool call or tool result; conversations with tools are not trained on"
+        )
     if not isinstance(role, str) or role.lower() not in ROLE_ALIASES:
         raise ConversationError("unknown_role", f"turn {i}: unknown role {role!r}")
     role = ROLE_ALIASES[role.lower()]
     content = turn["content"] if "content" in turn else turn.get("value")
+    if isinstance(content, list):  # OpenAI's list of content parts: its text parts, in order
+        content = _text_of_parts(content, i, role)
     if not isinstance(content, str):
         raise ConversationError(
             "non_string_content", f"turn {i} ({role}): content is {type(content).__name__}, not a string"
@@ -243,6 +305,15 @@ def _message(turn: object, i: int) -> dict[str, str]:
     if role == "assistant" and isinstance(reasoning, str) and reasoning.strip():
         content = with_reasoning(content, reasoning)
     return {"role": role, "content": content}
+
+
+def _text_of_parts(parts: list, i: int, role: str) -> str:
+    if not all(
+        isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in parts
+    ):
+        kinds = sorted({str(p.get("type")) if isinstance(p, dict) else type(p).__name__ for p in parts})
+        raise ConversationError("non_text_content", f"turn {i} ({role}): content parts of kinds {kinds}")
+    return "".join(p["text"] for p in parts)
 
 
 def _check_encodable(content: str, i: int) -> None:

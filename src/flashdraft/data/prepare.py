@@ -33,7 +33,14 @@ from typing import BinaryIO
 import numpy as np
 
 from flashdraft.data import tokenize as tokenize_module
-from flashdraft.data.formats import REASONS, ConversationError, RawRecord, iter_raw_records, parse_record
+from flashdraft.data.formats import (
+    MAX_RECORD_BYTES,
+    REASONS,
+    ConversationError,
+    RawRecord,
+    iter_raw_records,
+    parse_record,
+)
 from flashdraft.data.packing import SHARDS
 from flashdraft.data.tokenize import check_tokenizer, tokenize_conversation, truncate
 from flashdraft.run.provenance import tokenizer_sha256
@@ -56,6 +63,7 @@ class PrepareOptions:
     split: str = "train"  # for `datasets` sources
     cache_dir: Path | None = None  # tokenization cache; default: the `datasets` cache
     overwrite: bool = False  # replace the prepared dataset DIR holds
+    max_record_bytes: int = MAX_RECORD_BYTES  # a longer JSONL line is rejected unread (too_large)
 
 
 class StrictStop(RuntimeError):
@@ -95,7 +103,8 @@ def prepare_dataset(
     ValueError when the tokenizer cannot make loss masks (no chat template, no offsets).
     """
     options = options or PrepareOptions()
-    return _prepare(iter_raw_records(source, options.split), source, tokenizer, out_dir, options, echo)
+    raw = iter_raw_records(source, options.split, options.max_record_bytes)
+    return _prepare(raw, source, tokenizer, out_dir, options, echo)
 
 
 def prepare_records(
@@ -180,12 +189,15 @@ def _validate(raw_records: Iterable[RawRecord], rejects: Rejects, arrow_path: Pa
         ("raw", pa.string()),
     ]
     schema = pa.schema(columns)
-    digest, n_read, rows = hashlib.sha256(), 0, []
+    digest, n_read, rows, seen = hashlib.sha256(), 0, [], set()
     with pa.ipc.new_stream(str(arrow_path), schema) as writer:
         for record in raw_records:
             n_read += 1
             try:
                 conv = parse_record(record)
+                if conv.id in seen:  # as regenerate: one id, one conversation
+                    raise ConversationError("duplicate_id", f"id {conv.id!r} seen before")
+                seen.add(conv.id)
             except ConversationError as e:
                 rejects.add(record.where, record.raw, e)
                 continue

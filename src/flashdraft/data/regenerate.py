@@ -455,6 +455,8 @@ def regenerate_file(
     `limit` stops after that many records (a trial run; the next run continues).
     """
     out, failed_path = Path(out_path), failed_path_for(out_path)
+    if Path(input_path).exists() and out.exists() and out.resolve() == Path(input_path).resolve():
+        raise ValueError(f"--out {out} is the --input: regenerated records go to another file")
     done = read_done_ids(out)
     total = max(count_records(input_path, split) - len(done), 0)
     if limit is not None:
