@@ -205,7 +205,13 @@ def resolve_config(preset: str = "default", yaml_path: Path | None = None, **ove
         raise ValueError(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
     raw = dict(PRESETS[preset])
     if yaml_path is not None:
-        loaded = yaml.safe_load(Path(yaml_path).read_text()) or {}
+        path = Path(yaml_path)
+        if not path.is_file():
+            raise ValueError(f"{path}: no such config file" + (" (a directory)" if path.is_dir() else ""))
+        try:
+            loaded = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ValueError(f"{path}: not valid YAML: {e}") from None
         if not isinstance(loaded, dict):
             raise ValueError(f"{yaml_path}: expected a mapping at the top level")
         raw = _merge(raw, loaded)

@@ -58,7 +58,10 @@ def recorded_fingerprint(run: Path) -> tuple[Path, dict]:
     candidates = ([ckpt / ENV_FILE] if ckpt else []) + [run / ENV_FILE]
     for path in candidates:
         if path.is_file():
-            return path, json.loads(path.read_text())
+            try:
+                return path, json.loads(path.read_text())
+            except json.JSONDecodeError as e:
+                raise json.JSONDecodeError(f"{path}: not valid JSON: {e.msg}", e.doc, e.pos) from None
     raise FileNotFoundError(f"no fingerprint in {run}: looked for {', '.join(map(str, candidates))}")
 
 

@@ -104,6 +104,6 @@ def export_cmd(
     verifier = target or (_run_target(ckpt) if fmt == "speculators" else None)
     try:
         path = export_checkpoint(ckpt, fmt, out, verifier)
-    except (ValueError, FileNotFoundError, FileExistsError) as e:
+    except (ValueError, OSError) as e:
         _fail(str(e))
     typer.echo(f"exported {fmt} checkpoint to {path}")

@@ -78,6 +78,7 @@ def train(
 
     pin_local_gpu()
     from flashdraft.config import resolve_config
+    from flashdraft.model.checkpoint import latest_checkpoint
     from flashdraft.train.trainer import build_trainer
 
     if resume and resume.startswith("s3://"):
@@ -103,15 +104,22 @@ def train(
         trainer = build_trainer(
             cfg, target, str(data), str(out), device, layout, resume is not None, s3, backend, overwrite
         )
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, OSError) as e:
         _fail(str(e))
-    from flashdraft.train.trainer import MirrorIncomplete, NonFiniteError
+    from flashdraft.train.trainer import Interrupted, MirrorIncomplete, NonFiniteError
 
     try:
         result = _run_with_progress(trainer, cfg.log_every)
+    except Interrupted as e:
+        trainer.close()
+        _fail(str(e), code=130)
     except (NonFiniteError, MirrorIncomplete) as e:
         trainer.close()
         _fail(str(e), code=1)
+    except OSError as e:  # a full disk, a read-only run directory: named, with what is safe
+        trainer.close()
+        last = latest_checkpoint(Path(out) / "checkpoints")
+        _fail(f"{e}; the last complete checkpoint: {last or 'none'}", code=1)
     if result is not None and trainer.topo.is_main:
         typer.echo(
             f"done: {result.steps} steps, loss {result.first_loss:.4f} -> {result.final_loss:.4f}; "

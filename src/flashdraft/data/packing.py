@@ -27,7 +27,12 @@ def load_token_dataset(data_dir: str | Path):
     path = Path(data_dir) / SHARDS
     if not path.is_dir():
         raise FileNotFoundError(f"{data_dir}: no token shards at {path} (run `flashdraft data prepare`)")
-    ds = datasets.load_from_disk(str(path))
+    try:
+        ds = datasets.load_from_disk(str(path))
+    except Exception as e:  # datasets and pyarrow raise many types for a damaged directory
+        raise ValueError(
+            f"{path}: not a readable token dataset ({type(e).__name__}: {e}); prepare it again"
+        ) from None
     missing = {"input_ids", "loss_mask"} - set(ds.column_names)
     if missing:
         raise ValueError(f"{path}: missing columns {sorted(missing)}")

@@ -314,6 +314,11 @@ def decoding_target(target: Target | PreTrainedModel, drafter: DFlashDrafter) ->
     text = model.config.get_text_config()
     if text.hidden_size != width:
         raise ValueError(f"the target's width is {text.hidden_size}, the drafter was trained on {width}")
+    if text.vocab_size != drafter.config.vocab_size:
+        raise ValueError(
+            f"the target's vocabulary has {text.vocab_size} tokens, the drafter was trained on one of "
+            f"{drafter.config.vocab_size}: another target's drafter"
+        )
     if text.num_hidden_layers != depth:
         raise ValueError(
             f"the target has {text.num_hidden_layers} layers, the drafter was trained on a target of {depth}"

@@ -22,9 +22,10 @@ from pathlib import Path
 
 import torch
 import transformers
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from transformers import Qwen3Config
 
+from flashdraft.model.checkpoint import read_weights
 from flashdraft.model.drafter import LAST_LAYER
 
 CONFIG = "config.json"
@@ -166,11 +167,14 @@ def read_zlab(ckpt_dir: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
     for name in (CONFIG, WEIGHTS):
         if not (ckpt_dir / name).is_file():
             raise FileNotFoundError(f"{ckpt_dir}: no {name} (not a z-lab checkpoint directory)")
-    cfg = json.loads((ckpt_dir / CONFIG).read_text())
+    try:
+        cfg = json.loads((ckpt_dir / CONFIG).read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{ckpt_dir / CONFIG}: not valid JSON ({e})") from None
     problems = config_problems(cfg)
     if problems:
         raise ValueError(f"{ckpt_dir / CONFIG}:\n  " + "\n  ".join(problems))
-    weights = load_file(str(ckpt_dir / WEIGHTS))
+    weights = read_weights(ckpt_dir / WEIGHTS)
     problems = weight_problems(cfg, weights)
     if problems:
         raise ValueError(f"{ckpt_dir / WEIGHTS}:\n  " + "\n  ".join(problems))
@@ -215,6 +219,8 @@ def speculators_config(cfg: dict, verifier: str, verifier_architectures: list[st
 
 
 def _write_atomic(out_dir: Path, cfg: dict, weights: dict[str, torch.Tensor]) -> Path:
+    if out_dir.exists() and not out_dir.is_dir():
+        raise FileExistsError(f"{out_dir} is a file, not a directory to export into")
     if out_dir.exists() and any(out_dir.iterdir()):
         raise FileExistsError(f"{out_dir} exists and is not empty")
     out_dir.parent.mkdir(parents=True, exist_ok=True)

@@ -162,7 +162,12 @@ def load_drafter(
 ) -> DFlashDrafter:
     """Rebuild a DFlashDrafter from a z-lab directory (ours or any engine-ready one)."""
     ckpt_dir = Path(ckpt_dir)
-    raw = json.loads((ckpt_dir / CONFIG).read_text())
+    if not (ckpt_dir / CONFIG).is_file():
+        raise FileNotFoundError(f"{ckpt_dir}: no {CONFIG} (not a drafter checkpoint directory)")
+    try:
+        raw = json.loads((ckpt_dir / CONFIG).read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{ckpt_dir / CONFIG}: not valid JSON ({e})") from None
     dflash = raw.get("dflash_config") or {}
     missing = [k for k in ("mask_token_id", "target_layer_ids") if k not in dflash]
     if missing:
@@ -178,7 +183,17 @@ def load_drafter(
     cfg.mask_token_id = int(dflash["mask_token_id"])
     cfg.block_size = int(dflash.get("block_size", raw.get("block_size", 16)))
     cfg.num_target_layers = int(raw["num_target_layers"])
-    return drafter_from_state(cfg, load_file(str(ckpt_dir / WEIGHTS)), device, dtype)
+    return drafter_from_state(cfg, read_weights(ckpt_dir / WEIGHTS), device, dtype)
+
+
+def read_weights(path: Path) -> dict:
+    """The tensors of a safetensors file; ValueError naming it when it is cut short or not one."""
+    from safetensors import SafetensorError
+
+    try:
+        return load_file(str(path))
+    except (SafetensorError, OSError) as e:
+        raise ValueError(f"{path}: not a readable safetensors file ({e})") from None
 
 
 def drafter_from_state(config, state: dict, device, dtype=torch.float32) -> DFlashDrafter:

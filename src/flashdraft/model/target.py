@@ -315,6 +315,8 @@ def load_target(
         kwargs["attn_implementation"] = attention
     try:
         model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, **kwargs)
+    except OSError as e:  # no such directory, no config.json, not on the hub (offline)
+        raise ValueError(f"{path_or_id}: not a model transformers can load ({str(e).splitlines()[0]})") from e
     except ValueError as e:
         if attention == "auto":
             raise

@@ -10,9 +10,14 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import importlib.util
 import json
 import math
+import pickle
+import re
 import shutil
+import signal
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,7 +55,7 @@ from flashdraft.train.compile import (
 )
 from flashdraft.train.flops import matmul_tflops, step_flops
 from flashdraft.train.metrics import MetricsLogger
-from flashdraft.train.state import load_trainer_state, trainer_state_writer
+from flashdraft.train.state import STATE, load_trainer_state, trainer_state_writer
 from flashdraft.train.step import acceptance_map, micro_step_loss, plan_micro_batch, target_features
 from flashdraft.train.timing import NULL_TIMER, PhaseTimer
 
@@ -102,6 +107,10 @@ class NonFiniteError(RuntimeError):
 
 class MirrorIncomplete(RuntimeError):
     """The run finished, but its S3 mirror did not."""
+
+
+class Interrupted(RuntimeError):
+    """Ctrl-C: the run stopped after a whole step, saved; the message names the checkpoint."""
 
 
 class _Window:
@@ -208,6 +217,18 @@ def forget_metrics_after(path: Path, step: int) -> None:
     path.write_text("".join(kept))
 
 
+def forget_log_after(path: Path, step: int) -> None:
+    """train.log's lines of the steps a resumed run redoes ("step N/T ..."), dropped like their metrics."""
+    if not path.exists():
+        return
+    lines = path.read_text().splitlines(keepends=True)
+    kept = [line for line in lines if not ((m := _LOG_STEP.match(line)) and int(m.group(1)) > step)]
+    path.write_text("".join(kept))
+
+
+_LOG_STEP = re.compile(r"step (\d+)/")
+
+
 def _metric_step(line: str) -> int:
     try:
         return int(json.loads(line).get("step", 0))
@@ -238,6 +259,8 @@ def build_trainer(
     is refused unless `resume` (continue it) or `overwrite` (delete it and start again); a resume checks
     the target and data against the run's record (flashdraft.run.provenance).
     """
+    if cfg.wandb and importlib.util.find_spec("wandb") is None:
+        raise ValueError("--wandb needs the wandb package: pip install 'flashdraft[wandb]'")
     topo = init_topology(layout, device, backend)
     out = Path(out_dir)
     existing = [n for n in ("config.yaml", "checkpoints") if (out / n).exists()]
@@ -404,12 +427,25 @@ class Trainer:
         )
 
     def _resume(self) -> None:
-        ckpt = latest_checkpoint(self.out / "checkpoints") if self.out else None
+        root = self.out / "checkpoints" if self.out else None
+        ckpt = latest_checkpoint(root) if root else None
         if ckpt is None:
             raise ValueError(f"--resume: {self.out}/checkpoints has no complete checkpoint (no LATEST)")
-        self.step = load_trainer_state(ckpt, self)
+        older = sorted((p for p in root.glob("step_*") if p.is_dir() and p.name < ckpt.name), reverse=True)
+        for candidate in [ckpt, *older]:  # a checkpoint damaged after it was written: the one before it
+            try:
+                self.step = load_trainer_state(candidate, self)
+                break
+            except (RuntimeError, EOFError, OSError, KeyError, pickle.UnpicklingError) as e:
+                if self.topo.is_main:
+                    print(f"resume: {candidate / STATE} is unreadable ({type(e).__name__}): trying the one "
+                          "before it", flush=True)  # fmt: skip
+        else:
+            raise ValueError(f"--resume: no checkpoint of {root} could be read")
+        ckpt = candidate
         if self.topo.is_main:
             forget_metrics_after(self.out / "metrics.jsonl", self.step)
+            forget_log_after(self.out / "train.log", self.step)
         if self.compiled and (ckpt / ARTIFACTS).exists():
             if self.cfg.trust_compile_cache:
                 self.artifacts_loaded = load_artifacts(ckpt)
@@ -561,31 +597,39 @@ class Trainer:
             self.peak_tflops = matmul_tflops(self.device)
         first = last = float("nan")
         window = _Window(self.device)
-        while self.step < self.total_steps:
-            stats = self.train_step_guarded()
-            step = self.step
-            window.add(stats)
-            if step == 1:
-                first = float(self._all_reduce(stats.loss_sum.clone()) / stats.weight_sum)
-            if self.tau_probe is not None and (step % cfg.eval_every == 0 or step == self.total_steps):
-                self.pending |= self.measure_tau()
-            if self.val_loader is not None and (
-                (cfg.val_every and step % cfg.val_every == 0) or step == self.total_steps
-            ):
-                self.pending |= self.validate()
-            if step % cfg.log_every == 0 or step == self.total_steps:
-                m = self._metrics(stats, window)
-                last = m["loss"]
-                if main:
-                    log.log(m)
-                    if progress is not None:
-                        progress(step, self.total_steps, m["loss"])
-                window = _Window(self.device, self.remote.wait_s if self.remote else 0.0)
-            saving = cfg.save_every and step % cfg.save_every == 0 and step != self.total_steps
-            if saving or step % cfg.log_every == 0:
-                self._check_finite()
-            if saving:
-                self.save()
+        with self._stop_on_interrupt() as interrupted:
+            while self.step < self.total_steps:
+                stats = self.train_step_guarded()
+                step = self.step
+                window.add(stats)
+                if step == 1:
+                    first = float(self._all_reduce(stats.loss_sum.clone()) / stats.weight_sum)
+                if self.tau_probe is not None and (step % cfg.eval_every == 0 or step == self.total_steps):
+                    self.pending |= self.measure_tau()
+                if self.val_loader is not None and (
+                    (cfg.val_every and step % cfg.val_every == 0) or step == self.total_steps
+                ):
+                    self.pending |= self.validate()
+                if step % cfg.log_every == 0 or step == self.total_steps:
+                    m = self._metrics(stats, window)
+                    last = m["loss"]
+                    if main:
+                        log.log(m)
+                        if progress is not None:
+                            progress(step, self.total_steps, m["loss"])
+                    window = _Window(self.device, self.remote.wait_s if self.remote else 0.0)
+                saving = cfg.save_every and step % cfg.save_every == 0 and step != self.total_steps
+                if saving or step % cfg.log_every == 0 or interrupted():
+                    self._check_finite()
+                if interrupted() and step != self.total_steps:
+                    path = self.save()
+                    if main:
+                        log.close()
+                    raise Interrupted(
+                        f"interrupted after step {step}: saved {path}; --resume {self.out} continues"
+                    )
+                if saving:
+                    self.save()
         ckpt = self.save()
         if main:
             log.close()
@@ -596,6 +640,30 @@ class Trainer:
             if self.mirror is not None:
                 self._finish_mirror()
         return TrainResult(self.total_steps, last, first, ckpt)
+
+    @contextlib.contextmanager
+    def _stop_on_interrupt(self):
+        """In a one-process run, Ctrl-C asks the loop to stop after the step it is in, save, and raise
+        Interrupted; a second Ctrl-C interrupts at once. A run of several ranks keeps the default (its
+        ranks would not stop at the same step): its last checkpoint is what it resumes from."""
+        asked = []
+        if self.topo.world_size > 1 or threading.current_thread() is not threading.main_thread():
+            yield lambda: False
+            return
+
+        def handler(signum, frame):
+            asked.append(signum)
+            signal.signal(signal.SIGINT, previous)
+            print(
+                "\ninterrupted: stopping after this step, then saving (Ctrl-C again stops at once)",
+                flush=True,
+            )
+
+        previous = signal.signal(signal.SIGINT, handler)
+        try:
+            yield lambda: bool(asked)
+        finally:
+            signal.signal(signal.SIGINT, previous)
 
     def _finish_mirror(self) -> None:
         """Wait at most `s3_wait_s` for the uploads; a mirror that did not complete is an error naming
