@@ -29,6 +29,8 @@ from pathlib import Path
 
 from rich.console import Console
 
+from flashdraft.demo.pipeline import StageClock
+
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # SmolLM2's tokenizer has no mask token and no embedding row beyond it: a code-pretraining marker that
 # chat never uses serves as the drafter's MASK
@@ -101,20 +103,6 @@ def gguf_to_hf(gguf: Path, out: Path) -> Path:
     return out
 
 
-class Clock:
-    def __init__(self):
-        self.start = self.last = time.time()
-        self.laps: dict[str, float] = {}
-
-    def lap(self, name: str) -> None:
-        now = time.time()
-        self.laps[name] = round(now - self.last, 1)
-        self.last = now
-
-    def left(self, budget_s: float) -> float:
-        return budget_s - (time.time() - self.start)
-
-
 def decode_costs(model, block: int, context: int = 128) -> tuple[float, float]:
     """Seconds of one plain decoding step and of one verify forward of `block` tokens, after a prompt of
     `context` tokens, on a KV cache as `flashdraft eval` decodes."""
@@ -168,7 +156,7 @@ def run_real_target(
     console = console or Console()
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    budget, clock = 60 * budget_minutes, Clock()
+    budget, clock = 60 * budget_minutes, StageClock()
     target_dir = gguf_to_hf(smollm2_gguf(), out / "target")
     clock.lap("target_s")
 
@@ -222,7 +210,7 @@ def run_real_target(
         probe.train_step()
     step_s = (time.time() - t0) / 2
     probe.close()
-    steps = max(10, int((clock.left(budget) - eval_s) / step_s))
+    steps = max(10, int((budget - clock.since_start() - eval_s) / step_s))
     cfg = resolve_config("tiny_cpu" if scale.device == "cpu" else "default", **settings, max_steps=steps)
     trainer = build_trainer(
         cfg, str(target_dir), str(data_dir), str(out / "run"), scale.device, overwrite=True
@@ -260,7 +248,7 @@ def run_real_target(
                 m: report[m]["tau"] for m in ("dflash", "ngram")
             } | {"speedup": report["speedup"], "identical": report.get("identical_to_autoregressive")}
     clock.lap("eval_s")
-    summary |= {"seconds": clock.laps, "wall_s": round(time.time() - clock.start, 1)}
+    summary |= {"seconds": clock.laps, "wall_s": round(clock.since_start(), 1)}
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     console.print(f"finished in {summary['wall_s']:.0f} s; summary in {out / 'summary.json'}")
     return summary

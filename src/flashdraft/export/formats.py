@@ -25,7 +25,7 @@ import transformers
 from safetensors.torch import save_file
 from transformers import Qwen3Config
 
-from flashdraft.model.checkpoint import read_weights
+from flashdraft.model.checkpoint import read_config, read_weights
 from flashdraft.model.drafter import LAST_LAYER
 
 CONFIG = "config.json"
@@ -164,13 +164,9 @@ def weight_problems(cfg: dict, weights: dict[str, torch.Tensor]) -> list[str]:
 def read_zlab(ckpt_dir: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
     """(config, tensors) of a z-lab directory, validated; ValueError lists every problem found."""
     ckpt_dir = Path(ckpt_dir)
-    for name in (CONFIG, WEIGHTS):
-        if not (ckpt_dir / name).is_file():
-            raise FileNotFoundError(f"{ckpt_dir}: no {name} (not a z-lab checkpoint directory)")
-    try:
-        cfg = json.loads((ckpt_dir / CONFIG).read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{ckpt_dir / CONFIG}: not valid JSON ({e})") from None
+    if not (ckpt_dir / WEIGHTS).is_file():
+        raise FileNotFoundError(f"{ckpt_dir}: no {WEIGHTS} (not a z-lab checkpoint directory)")
+    cfg = read_config(ckpt_dir)
     problems = config_problems(cfg)
     if problems:
         raise ValueError(f"{ckpt_dir / CONFIG}:\n  " + "\n  ".join(problems))

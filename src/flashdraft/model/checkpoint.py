@@ -162,12 +162,7 @@ def load_drafter(
 ) -> DFlashDrafter:
     """Rebuild a DFlashDrafter from a z-lab directory (ours or any engine-ready one)."""
     ckpt_dir = Path(ckpt_dir)
-    if not (ckpt_dir / CONFIG).is_file():
-        raise FileNotFoundError(f"{ckpt_dir}: no {CONFIG} (not a drafter checkpoint directory)")
-    try:
-        raw = json.loads((ckpt_dir / CONFIG).read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{ckpt_dir / CONFIG}: not valid JSON ({e})") from None
+    raw = read_config(ckpt_dir)
     dflash = raw.get("dflash_config") or {}
     missing = [k for k in ("mask_token_id", "target_layer_ids") if k not in dflash]
     if missing:
@@ -184,6 +179,17 @@ def load_drafter(
     cfg.block_size = int(dflash.get("block_size", raw.get("block_size", 16)))
     cfg.num_target_layers = int(raw["num_target_layers"])
     return drafter_from_state(cfg, read_weights(ckpt_dir / WEIGHTS), device, dtype)
+
+
+def read_config(ckpt_dir: Path) -> dict:
+    """A checkpoint directory's config.json; FileNotFoundError or ValueError naming it."""
+    path = Path(ckpt_dir) / CONFIG
+    if not path.is_file():
+        raise FileNotFoundError(f"{ckpt_dir}: no {CONFIG} (not a drafter checkpoint directory)")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from None
 
 
 def read_weights(path: Path) -> dict:
