@@ -141,6 +141,9 @@ def test_eval_refuses_a_drafter_trained_for_another_vocabulary(tmp_path, tiny_ta
 
 
 def test_ctrl_c_stops_after_the_step_saves_and_the_run_resumes(tmp_path, tiny_target_dir, data_dir):
+    # SIGINT as an interactive shell leaves it (a script's background job starts with it ignored,
+    # which the trainer keeps)
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
     out = tmp_path / "run"
     trainer = build_trainer(_cfg(max_steps=6), tiny_target_dir, data_dir, out, device="cpu")
     step = trainer.train_step
@@ -152,9 +155,14 @@ def test_ctrl_c_stops_after_the_step_saves_and_the_run_resumes(tmp_path, tiny_ta
         return stats
 
     trainer.train_step = step_then_ctrl_c
-    with pytest.raises(Interrupted, match=f"interrupted after step 2: saved .*step_000002; --resume {out}"):
-        trainer.run()
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the handler is put back
+    try:
+        with pytest.raises(
+            Interrupted, match=f"interrupted after step 2: saved .*step_000002; --resume {out}"
+        ):
+            trainer.run()
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the handler is put back
+    finally:
+        signal.signal(signal.SIGINT, before)
     resumed = build_trainer(_cfg(max_steps=6), tiny_target_dir, data_dir, out, device="cpu", resume=True)
     assert resumed.step == 2
     resumed.run()

@@ -647,7 +647,9 @@ class Trainer:
         Interrupted; a second Ctrl-C interrupts at once. A run of several ranks keeps the default (its
         ranks would not stop at the same step): its last checkpoint is what it resumes from."""
         asked = []
-        if self.topo.world_size > 1 or threading.current_thread() is not threading.main_thread():
+        in_main = threading.current_thread() is threading.main_thread()
+        # a process started with SIGINT ignored (a shell's background job) keeps ignoring it
+        if self.topo.world_size > 1 or not in_main or signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
             yield lambda: False
             return
 
