@@ -172,3 +172,23 @@ def test_ctrl_c_stops_after_the_step_saves_and_the_run_resumes(tmp_path, tiny_ta
         (out / "result.json").read_text(), parse_constant=lambda c: pytest.fail(f"{c} in JSON")
     )
     assert result["first_loss"] is None and result["steps"] == 6  # the resumed run never saw step 1
+
+
+def test_an_interrupt_that_saves_nothing_still_names_the_last_checkpoint(tmp_path, tiny_target_dir, data_dir,
+                                                                         monkeypatch):  # fmt: skip
+    """A second Ctrl-C, or Ctrl-C in a run of several ranks (which stops at once): exit 130 and the
+    checkpoint a resume would continue from."""
+    from flashdraft.train import trainer as trainer_module
+
+    out = tmp_path / "run"
+    first = build_trainer(_cfg(max_steps=1), tiny_target_dir, data_dir, out, device="cpu")
+    first.run()
+
+    def interrupted(self, progress=None):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(trainer_module.Trainer, "run", interrupted)
+    result = _train("--target", str(tiny_target_dir), "--data", str(data_dir), "--resume", str(out),
+                    "--max-steps", "4", tmp_path=tmp_path)  # fmt: skip
+    assert result.exit_code == 130
+    assert f"the last complete checkpoint: {out / 'checkpoints' / 'step_000001'}" in result.output

@@ -113,6 +113,9 @@ def train(
     except Interrupted as e:
         trainer.close()
         _fail(str(e), code=130)
+    except KeyboardInterrupt:  # a second Ctrl-C, or a run of several ranks: nothing saved now
+        last = latest_checkpoint(Path(out) / "checkpoints")
+        _fail(f"interrupted; the last complete checkpoint: {last or 'none'} (--resume {out} continues)", 130)
     except (NonFiniteError, MirrorIncomplete) as e:
         trainer.close()
         _fail(str(e), code=1)
