@@ -46,6 +46,8 @@ def test_the_user_turn_frame_is_read_from_the_chat_template(tiny_tokenizer):
     prefix, end_ids = user_turn_frame(tiny_tokenizer)
     assert prefix == "<|im_start|>user\n"
     assert end_ids == [tiny_tokenizer.convert_tokens_to_ids("<|im_end|>")]
+    steered, _ = user_turn_frame(tiny_tokenizer, system="You write Python.")
+    assert steered == "<|im_start|>system\nYou write Python.<|im_end|>\n<|im_start|>user\n"
     tok = copy.deepcopy(tiny_tokenizer)  # a template that ends a user turn with text: nothing to stop at
     tok.chat_template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
     with pytest.raises(ValueError, match="not a special token"):

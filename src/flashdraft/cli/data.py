@@ -214,6 +214,9 @@ def synthesize(
     max_samples: int | None = typer.Option(
         None, min=1, help="give up after this many samples (default 8 x count)"
     ),
+    system: str | None = typer.Option(
+        None, help="a system message that steers the requests (e.g. toward coding); not kept in OUT"
+    ),
     chat_template: Path | None = typer.Option(None, help="Jinja chat template file"),
     device: str | None = typer.Option(None, help="torch device (default: cuda when visible)"),
     progress: bool = typer.Option(True, help="show a progress bar on stderr"),
@@ -228,7 +231,7 @@ def synthesize(
     from flashdraft.data.synthesize import synthesize as run
     from flashdraft.model.target import load_target
 
-    options = SynthesisOptions(count, temperature, top_p, max_tokens, batch_size, seed, max_samples)
+    options = SynthesisOptions(count, temperature, top_p, max_tokens, batch_size, seed, max_samples, system)
     try:
         model, tokenizer = load_target(target, device or ("cuda" if torch.cuda.is_available() else "cpu"))
         tokenizer.chat_template = _read_template(chat_template) or tokenizer.chat_template

@@ -2,7 +2,9 @@
 
 The Magpie method (Xu et al. 2024, arXiv 2406.08464): given only its chat template's text up to the
 content of a user turn, an aligned chat model writes a plausible request and ends the turn with the
-template's end-of-turn token. Batches of that prefix are sampled, each batch from its own seed, and every
+template's end-of-turn token. A system message before the user header (`system`) steers what is asked,
+as Magpie's domain-specific sets do (e.g. "You are a Python programming assistant." for coding requests);
+it only steers: the records hold the user turn alone, answered later under the template's default. Batches of that prefix are sampled, each batch from its own seed, and every
 sample is kept or dropped with a reason:
 - `no_end`: the turn did not end within `max_tokens`;
 - `template_tokens`: a special token of the template came before the end (a role header, a new turn);
@@ -42,6 +44,7 @@ class SynthesisOptions:
     batch_size: int = 64
     seed: int = 0
     max_samples: int | None = None  # give up after this many samples; default 8 x count
+    system: str | None = None  # a system message that steers the requests; not kept in the records
 
     def settings(self) -> dict:
         """What decides every batch's samples: a resumed run must match them."""
@@ -65,11 +68,14 @@ def settings_path_for(out_path: str | Path) -> Path:
     return Path(str(out_path) + ".settings.json")
 
 
-def user_turn_frame(tokenizer) -> tuple[str, list[int]]:
-    """(the template's text before a user turn's content, the token ids that end a user turn): the first
-    token after the content, which must be a special token (ChatML's <|im_end|>, Llama 3's <|eot_id|>,
-    Gemma's <end_of_turn>), and the end-of-sequence ids."""
-    text = tokenizer.apply_chat_template([{"role": "user", "content": SENTINEL}], tokenize=False)
+def user_turn_frame(tokenizer, system: str | None = None) -> tuple[str, list[int]]:
+    """(the template's text before a user turn's content, after `system` as a system message when given,
+    the token ids that end a user turn): the first token after the content, which must be a special token
+    (ChatML's <|im_end|>, Llama 3's <|eot_id|>, Gemma's <end_of_turn>), and the end-of-sequence ids."""
+    messages = [{"role": "user", "content": SENTINEL}]
+    if system is not None:
+        messages.insert(0, {"role": "system", "content": system})
+    text = tokenizer.apply_chat_template(messages, tokenize=False)
     prefix, found, suffix = text.partition(SENTINEL)
     if not found:
         raise ValueError("the chat template does not render a user turn's content")
@@ -157,7 +163,7 @@ def synthesize(
     batch = max((b for b, _ in done), default=0)  # the last batch begun; the next one if it is whole
     if done and all((batch, s) in done for s in range(options.batch_size)):
         batch += 1
-    prefix, end_ids = user_turn_frame(tokenizer)
+    prefix, end_ids = user_turn_frame(tokenizer, options.system)
     prefix_ids = tokenizer(prefix, add_special_tokens=False).input_ids
     special = set(tokenizer.all_special_ids) - set(end_ids)
     limit = options.max_samples or 8 * options.count

@@ -15,8 +15,12 @@ Stages, each written under OUT and skipped when a later run finds its output com
    (three calibration steps); the evals' time is planned from the target's decoding step and verify
    forward, timed on this machine in stage 2 (at the worst case, a cycle that accepts nothing);
 6. eval: `flashdraft eval`'s report (DFlash, n-gram, plain decoding) at T = 0 (and T = 1) on HumanEval
-   and on the held-out prompts.
-The summary names every stage's seconds, the drafter's steps and training tokens, and every tau.
+   and on the held-out prompts;
+7. reference (GPU scale): the drafter exported to the z-lab layout and decoded by the reference `dflash`
+   package on the first HumanEval prompts, next to our tau on each.
+The summary names every stage's seconds, the drafter's steps and training tokens, and every tau. The GPU
+scale (`H200`) also synthesizes coding requests (a system message steers Magpie toward them, as in
+Magpie's domain-specific sets) and answers every prompt at T = 0 and at T = 1.
 """
 
 from __future__ import annotations
@@ -40,19 +44,26 @@ MASK_TOKEN = "<empty_output>"
 @dataclass(frozen=True)
 class RealScale:
     device: str = "cpu"
-    prompts: int = 172  # user turns to synthesize, held-out ones included
-    held_out: int = 12
+    prompts: int = 172  # user turns to synthesize under the template's default system prompt
+    code_prompts: int = 0  # and under CODE_SYSTEM (Magpie's domain steering): coding requests
+    held_out: int = 12  # the last ones of each kind: eval prompts, never trained on
     prompt_tokens: int = 48  # longest user turn kept
     response_tokens: int = 80  # per regenerated answer
     batch: int = 32  # synthesis and regeneration batch
+    regen_cache: str = "dynamic"  # `data regenerate`'s cache ("static": compiled, CUDA graphs on a GPU)
     sampled: bool = False  # also regenerate every answer at T = 1
+    prepare_procs: int = 1
     humaneval: int = 12  # HumanEval problems in the eval
     eval_tokens: int = 48
     temperatures: tuple[float, ...] = (0.0,)
+    preset: str = "tiny_cpu"
     train: dict = field(default_factory=lambda: dict(CPU_TRAIN))
+    calibration_steps: int = 3  # timed after one untimed step (compilation)
     cuda_graphs: bool = False
+    reference_prompts: int = 0  # HumanEval prompts decoded by the reference `dflash` package at T = 0
 
 
+CODE_SYSTEM = "You are an expert Python programmer. The user asks you to write, fix or explain Python code."
 CPU_TRAIN = {
     "drafter.num_layers": 2,
     "drafter.num_taps": 3,
@@ -62,6 +73,35 @@ CPU_TRAIN = {
     "log_every": 10,
 }
 CPU = RealScale()
+H200 = RealScale(
+    device="cuda",
+    prompts=8192 + 32,
+    code_prompts=8192 + 32,
+    held_out=32,
+    prompt_tokens=96,  # coding requests run longer: at 32 tokens 11 of 17 did not end
+    response_tokens=256,
+    batch=4096,
+    regen_cache="static",
+    sampled=True,
+    prepare_procs=8,
+    humaneval=96,
+    eval_tokens=192,
+    temperatures=(0.0, 1.0),
+    preset="default",
+    train={
+        "drafter.num_layers": 3,
+        "drafter.num_taps": 5,
+        "data.seq_len": 2048,
+        "data.rows_per_batch": 8,
+        "num_anchors": 256,
+        "optim.lr": 1e-3,
+        "epochs": 100,  # the step count comes from the time left, not from passes over the data
+        "log_every": 50,
+    },
+    calibration_steps=5,
+    cuda_graphs=True,
+    reference_prompts=32,
+)
 
 
 def smollm2_gguf() -> Path:
@@ -136,14 +176,28 @@ def _lines(path: Path) -> list[dict]:
 
 
 def _write_lines(path: Path, records: list[dict]) -> Path:
-    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
+    tmp.replace(path)
     return path
 
 
+STAGES = ("target", "prompts", "regenerate", "prepare", "drafter", "eval", "reference")
+
+
 def run_real_target(
-    out: Path, budget_minutes: float, scale: RealScale = CPU, console: Console | None = None
+    out: Path,
+    budget_minutes: float,
+    scale: RealScale = CPU,
+    console: Console | None = None,
+    stop_after: str | None = None,
 ) -> dict:
-    """Stages 1-6 (module docstring) under `out` within about `budget_minutes`; returns the summary."""
+    """Stages 1-6 (module docstring) under `out` within about `budget_minutes`; returns the summary.
+
+    OUT/summary.json is written after every stage; a later call with the same `out` skips the stages it
+    records (a stage cut short runs again: synthesis and regeneration continue where they stopped, the
+    drafter trains afresh). `stop_after` ends the call after that stage (one of STAGES), and the drafter's
+    step count then leaves no time for evals: they come in the next call."""
     from flashdraft.config import resolve_config
     from flashdraft.data.humaneval import humaneval_prompts
     from flashdraft.data.prepare import PrepareOptions, prepare_dataset
@@ -153,102 +207,207 @@ def run_real_target(
     from flashdraft.model.target import load_target
     from flashdraft.train.trainer import build_trainer
 
+    if stop_after is not None and stop_after not in STAGES:
+        raise ValueError(f"stop_after must be one of {STAGES}, not {stop_after!r}")
     console = console or Console()
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
+    summary_path = out / "summary.json"
+    summary = json.loads(summary_path.read_text()) if summary_path.is_file() else {}
+    this_scale = json.loads(json.dumps(asdict(scale)))
+    if summary.setdefault("scale", this_scale) != this_scale:
+        raise ValueError(f"{out} holds a run of another scale ({summary_path}): use another --out")
+    seconds = summary.setdefault("seconds", {})
     budget, clock = 60 * budget_minutes, StageClock()
-    target_dir = gguf_to_hf(smollm2_gguf(), out / "target")
-    clock.lap("target_s")
 
-    model, tokenizer = load_target(target_dir, scale.device)
-    prompts = out / "prompts.jsonl"
-    options = SynthesisOptions(scale.prompts, 1.0, 1.0, scale.prompt_tokens, scale.batch, seed=0)
-    with console.status(f"the target writes {scale.prompts} user turns: flashdraft data synthesize"):
-        synth = synthesize(model, tokenizer, prompts, options)
-    if synth.kept < scale.prompts:
-        raise ValueError(f"only {synth.kept} of {scale.prompts} user turns kept: see {synth.rejected_path}")
-    turns = _lines(prompts)
-    train, held = turns[: -scale.held_out], turns[-scale.held_out :]
-    step_1, verify = decode_costs(model, block=16)
-    cycles = (scale.humaneval + scale.held_out) * scale.eval_tokens * len(scale.temperatures)
-    eval_s = cycles * (step_1 + 2 * verify) + 30  # plain, DFlash and n-gram at one token a cycle; loads
-    clock.lap("prompts_s")
+    def done(stage: str, **results) -> bool:
+        """Record a finished stage; True when the call stops here."""
+        clock.lap(stage)
+        seconds[f"{stage}_s"] = round(seconds.get(f"{stage}_s", 0) + clock.laps[stage], 1)
+        summary.update(results, stages=[*summary.get("stages", []), stage])
+        summary["wall_s"] = round(sum(seconds.values()), 1)
+        _write_lines(summary_path, [summary])
+        return stage == stop_after
+
+    def todo(stage: str) -> bool:
+        return stage not in summary.get("stages", [])
+
+    target_dir = gguf_to_hf(smollm2_gguf(), out / "target")
+    if todo("target") and done("target"):
+        return summary
+    model, tokenizer = None, None
+    if todo("prompts") or todo("regenerate"):
+        model, tokenizer = load_target(target_dir, scale.device)
+    kinds = {"chat": (scale.prompts, None), "code": (scale.code_prompts, CODE_SYSTEM)}
+    kinds = {k: v for k, v in kinds.items() if v[0]}
+    if todo("prompts"):
+        synthesis = {}
+        for kind, (count, system) in kinds.items():
+            options = SynthesisOptions(
+                count, 1.0, 1.0, scale.prompt_tokens, scale.batch, seed=0, system=system
+            )
+            with console.status(f"the target writes {count} {kind} user turns: flashdraft data synthesize"):
+                synth = synthesize(model, tokenizer, out / f"prompts.{kind}.jsonl", options)
+            if synth.kept < count:
+                raise ValueError(f"only {synth.kept} of {count} user turns kept: see {synth.rejected_path}")
+            synthesis[kind] = {"kept": synth.kept, "rejected": synth.rejected}
+        step_1, verify = decode_costs(model, block=16)
+        if done("prompts", synthesis=synthesis, decode_step_s=round(step_1, 4), verify_s=round(verify, 4)):
+            return summary
+    train, held = [], []
+    for kind in kinds:
+        turns = [r | {"id": f"{kind}-{r['id']}"} for r in _lines(out / f"prompts.{kind}.jsonl")]
+        train, held = train + turns[: -scale.held_out], held + turns[-scale.held_out :]
 
     conversations = out / "conversations.jsonl"
-    source = _write_lines(out / "train_prompts.jsonl", train)
-    for temperature in (0.0, 1.0) if scale.sampled else (0.0,):
-        backend = LocalBackend(model, tokenizer, scale.response_tokens, temperature, scale.batch)
-        done = conversations.with_suffix(f".t{temperature:g}.jsonl")
-        with console.status(
-            f"the target answers {len(train)} prompts at T = {temperature:g}: data regenerate"
-        ):
-            regenerate_file(backend, str(source), done, progress=False)
-    answered = [r for t in ((0.0, 1.0) if scale.sampled else (0.0,))
-                for r in _lines(conversations.with_suffix(f".t{t:g}.jsonl"))]  # fmt: skip
-    for i, record in enumerate(answered):  # ids stay unique across temperatures
-        record["id"] = f"{record['id']}#{i}"
-    _write_lines(conversations, answered)
+    temperatures = (0.0, 1.0) if scale.sampled else (0.0,)
+    if todo("regenerate"):
+        source = _write_lines(out / "train_prompts.jsonl", train)
+        for temperature in temperatures:
+            backend = LocalBackend(
+                model, tokenizer, scale.response_tokens, temperature, scale.batch, cache=scale.regen_cache
+            )
+            with console.status(
+                f"the target answers {len(train)} prompts at T = {temperature:g}: data regenerate"
+            ):
+                regenerate_file(backend, str(source), out / f"answers.t{temperature:g}.jsonl", progress=False)
+        answered = [r | {"id": f"{r['id']}@t{t:g}"}  # ids stay unique across temperatures
+                    for t in temperatures for r in _lines(out / f"answers.t{t:g}.jsonl")]  # fmt: skip
+        _write_lines(conversations, answered)
+        if done("regenerate", answered=len(answered)):
+            return summary
     del model
-    clock.lap("regenerate_s")
+    if tokenizer is None:
+        from flashdraft.model.target import load_tokenizer
+
+        tokenizer = load_tokenizer(target_dir)
 
     data_dir = out / "data"
-    stats = prepare_dataset(
-        str(conversations), tokenizer, data_dir, PrepareOptions(1024, cache_dir=out / "cache", overwrite=True)
-    )
-    console.print(f"data: {stats['kept']} conversations, {stats['loss_tokens']} loss tokens -> {data_dir}")
-    clock.lap("prepare_s")
-
-    mask = tokenizer.convert_tokens_to_ids(MASK_TOKEN)
-    settings = {**scale.train, "drafter.mask_token_id": mask}
-    calibration = resolve_config("tiny_cpu" if scale.device == "cpu" else "default", **settings, max_steps=3)
-    probe = build_trainer(
-        calibration, str(target_dir), str(data_dir), str(out / "calibration"), scale.device, overwrite=True
-    )
-    probe.train_step()
-    t0 = time.time()
-    for _ in range(2):
-        probe.train_step()
-    step_s = (time.time() - t0) / 2
-    probe.close()
-    steps = max(10, int((budget - clock.since_start() - eval_s) / step_s))
-    cfg = resolve_config("tiny_cpu" if scale.device == "cpu" else "default", **settings, max_steps=steps)
-    trainer = build_trainer(
-        cfg, str(target_dir), str(data_dir), str(out / "run"), scale.device, overwrite=True
-    )
-    with console.status(f"the drafter trains for {steps} steps ({step_s:.2f} s a step): flashdraft train"):
-        result = trainer.run()
-    tokens = sum(trainer.stream[m].num_tokens for m in range(result.steps))  # one micro-batch a step
-    trainer.close()
-    console.print(f"drafter: loss {result.first_loss:.3f} -> {result.final_loss:.3f} in {result.steps} steps")
-    clock.lap("drafter_s")
+    if todo("prepare"):
+        options = PrepareOptions(1024, num_proc=scale.prepare_procs, cache_dir=out / "cache", overwrite=True)
+        stats = prepare_dataset(str(conversations), tokenizer, data_dir, options)
+        console.print(
+            f"data: {stats['kept']} conversations, {stats['loss_tokens']} loss tokens -> {data_dir}"
+        )
+        if done("prepare", conversations=stats["kept"], loss_tokens=stats["loss_tokens"]):
+            return summary
 
     sets = {"humaneval": humaneval_prompts()[: scale.humaneval], "held_out": held}
-    summary = {
-        "scale": asdict(scale),
-        "drafter_steps": result.steps,
-        "drafter_step_s": round(step_s, 3),
-        "drafter_tokens": tokens,
-        "decode_step_s": round(step_1, 4),
-        "verify_s": round(verify, 4),
-        "eval_planned_s": round(eval_s),
-        "conversations": stats["kept"],
-        "synthesis": {"kept": synth.kept, "rejected": synth.rejected},
-        "eval": {},
-    }
-    for name, records in sets.items():
-        for temperature in scale.temperatures:
-            report = compare_methods(
-                target_dir, result.checkpoint, [r["messages"] for r in records], scale.eval_tokens,
-                temperature, device=scale.device, cuda_graphs=scale.cuda_graphs,
-            )  # fmt: skip
-            write_report(report, out / "eval" / f"{name}_t{temperature:g}.json")
-            console.print(f"[bold]{name}, T = {temperature:g}[/]")
-            print_table(report, console)
-            summary["eval"][f"{name}_t{temperature:g}"] = {
-                m: report[m]["tau"] for m in ("dflash", "ngram")
-            } | {"speedup": report["speedup"], "identical": report.get("identical_to_autoregressive")}
-    clock.lap("eval_s")
-    summary |= {"seconds": clock.laps, "wall_s": round(clock.since_start(), 1)}
-    (out / "summary.json").write_text(json.dumps(summary, indent=2))
-    console.print(f"finished in {summary['wall_s']:.0f} s; summary in {out / 'summary.json'}")
+    if todo("drafter"):
+        evals_later = stop_after not in (None, "eval", "reference")
+        cycles = sum(len(r) for r in sets.values()) * scale.eval_tokens * len(scale.temperatures)
+        cycles += scale.reference_prompts * scale.eval_tokens  # its DFlash, at T = 0
+        # plain, DFlash and n-gram at one token a cycle (the worst case), and the loads
+        eval_s = 0 if evals_later else cycles * (summary["decode_step_s"] + 2 * summary["verify_s"]) + 30
+        settings = {**scale.train, "drafter.mask_token_id": tokenizer.convert_tokens_to_ids(MASK_TOKEN)}
+        calibration = resolve_config(scale.preset, **settings, max_steps=scale.calibration_steps + 1)
+        t0 = time.time()
+        probe = build_trainer(
+            calibration,
+            str(target_dir),
+            str(data_dir),
+            str(out / "calibration"),
+            scale.device,
+            overwrite=True,
+        )
+        _synchronized(probe.train_step())
+        startup_s, t1 = time.time() - t0, time.time()
+        for _ in range(scale.calibration_steps):
+            stats = probe.train_step()
+        _synchronized(stats)
+        step_s = (time.time() - t1) / scale.calibration_steps
+        available = len(probe.stream)
+        probe.close()
+        left = budget - clock.since_start() - eval_s - startup_s
+        steps = min(available, max(10, int(left / step_s)))
+        cfg = resolve_config(scale.preset, **settings, max_steps=steps)
+        trainer = build_trainer(
+            cfg, str(target_dir), str(data_dir), str(out / "run"), scale.device, overwrite=True
+        )
+        with console.status(
+            f"the drafter trains for {steps} steps ({step_s:.3f} s a step): flashdraft train"
+        ):
+            result = trainer.run()
+        tokens = sum(trainer.stream[m].num_tokens for m in range(result.steps))  # one micro-batch a step
+        trainer.close()
+        console.print(
+            f"drafter: loss {result.first_loss:.3f} -> {result.final_loss:.3f} in {result.steps} steps"
+        )
+        drafter = {
+            "drafter_steps": result.steps,
+            "drafter_step_s": round(step_s, 4),
+            "drafter_startup_s": round(startup_s, 1),
+            "drafter_tokens": tokens,
+            "drafter_loss": [result.first_loss, result.final_loss],
+            "checkpoint": str(result.checkpoint),
+            "eval_planned_s": round(eval_s),
+        }
+        if done("drafter", **drafter):
+            return summary
+
+    if todo("eval"):
+        evals = summary.setdefault("eval", {})
+        for name, records in sets.items():
+            for temperature in scale.temperatures:
+                path = out / "eval" / f"{name}_t{temperature:g}.json"
+                if not path.is_file():  # a call cut short keeps the reports it finished
+                    report = compare_methods(
+                        target_dir, summary["checkpoint"], [r["messages"] for r in records],
+                        scale.eval_tokens, temperature, device=scale.device, cuda_graphs=scale.cuda_graphs,
+                    )  # fmt: skip
+                    write_report(report, path)
+                report = json.loads(path.read_text())
+                console.print(f"[bold]{name}, T = {temperature:g}[/]")
+                print_table(report, console)
+                evals[f"{name}_t{temperature:g}"] = eval_row(report)
+        if done("eval"):
+            return summary
+
+    if todo("reference") and scale.reference_prompts:
+        ours = json.loads((out / "eval" / "humaneval_t0.json").read_text())["dflash"]["tau_per_sample"]
+        n = min(scale.reference_prompts, len(ours))
+        ref = reference_on_prompts(
+            Path(summary["checkpoint"]), target_dir, out, sets["humaneval"][:n], scale, ours[:n]
+        )
+        done("reference", reference=ref)
+    console.print(f"finished: {summary['wall_s']:.0f} s over all calls; summary in {summary_path}")
     return summary
+
+
+def _synchronized(stats) -> None:
+    """Wait for a step's device work (train_step returns before it is done)."""
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def eval_row(report: dict) -> dict:
+    """The summary's figures of one eval report."""
+    row = {m: report[m]["tau"] for m in ("dflash", "ngram")}
+    row |= {"dflash_stderr": report["dflash"]["tau_stderr"], "ngram_stderr": report["ngram"]["tau_stderr"]}
+    row |= {"ratio": report["tau_ratio_dflash_over_ngram"], "speedup": report["speedup"]}
+    return row | {"identical": report.get("identical_to_autoregressive")}
+
+
+def reference_on_prompts(
+    checkpoint: Path, target_dir: Path, out: Path, records: list[dict], scale: RealScale, ours: list[float]
+) -> dict:
+    """The drafter exported to the z-lab layout and decoded by the reference `dflash` package at T = 0 on
+    `records`, with how many prompts get our tau exactly."""
+    from flashdraft.demo.proof import reference_tau
+    from flashdraft.eval.spec import encode_prompt
+    from flashdraft.export.formats import export_checkpoint
+    from flashdraft.model.target import load_tokenizer
+
+    export_dir = out / "export" / "zlab"
+    if not export_dir.exists():  # the export is atomic: a directory there is complete
+        export_checkpoint(checkpoint, "zlab", export_dir)
+    tokenizer = load_tokenizer(target_dir)
+    ids = [encode_prompt(tokenizer, r["messages"]) for r in records]
+    ref = reference_tau(export_dir, target_dir, ids, scale.eval_tokens, scale.device)
+    ref["samples_with_our_tau"] = sum(
+        abs(a - b) < 1e-6 for a, b in zip(ref["tau_per_sample"], ours, strict=True)
+    )
+    ref["our_tau"] = sum(ours) / len(ours)
+    return ref

