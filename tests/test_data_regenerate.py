@@ -437,3 +437,19 @@ def test_local_backend_encodes_the_next_batch_while_this_one_generates(tiny_targ
     assert waited == [True]  # encoded ahead, while the first batch generated
     assert encoded == [1, 1, 1]  # each batch once: the first round comes from the worker
     assert results == {r["id"]: reference(model, tokenizer, r["messages"], 2) for r in records}
+
+
+def test_a_tokenizer_without_a_pad_token_pads_with_a_stop_id_and_is_left_as_it_was(tiny_target):
+    """A tokenizer converted from GGUF by transformers 5.17 has no pad token: batches still left-pad
+    (masked), and the caller's tokenizer is not changed."""
+    import copy
+
+    model, tokenizer = tiny_target
+    padless = copy.deepcopy(tokenizer)
+    padless.pad_token = None
+    backend = LocalBackend(model, padless, max_new_tokens=4, batch_size=2)
+    assert padless.pad_token_id is None
+    prompts = [[{"role": "user", "content": "hi"}], [{"role": "user", "content": "a longer question"}]]
+    answers = backend.regenerate(prompts)
+    assert answers == LocalBackend(model, tokenizer, max_new_tokens=4, batch_size=2).regenerate(prompts)
+    assert backend.generation_config.pad_token_id == min(backend.stop_ids)

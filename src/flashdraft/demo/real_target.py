@@ -172,7 +172,7 @@ def decode_costs(model, block: int, context: int = 128) -> tuple[float, float]:
 
 
 def _lines(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").split("\n") if line.strip()]
 
 
 def _write_lines(path: Path, records: list[dict]) -> Path:
@@ -270,7 +270,10 @@ def run_real_target(
             with console.status(
                 f"the target answers {len(train)} prompts at T = {temperature:g}: data regenerate"
             ):
-                regenerate_file(backend, str(source), out / f"answers.t{temperature:g}.jsonl", progress=False)
+                answers = out / f"answers.t{temperature:g}.jsonl"
+                result = regenerate_file(backend, str(source), answers, progress=False)
+            if result.failed:
+                raise ValueError(f"{result.failed} prompts failed to regenerate: see {result.failed_path}")
         answered = [r | {"id": f"{r['id']}@t{t:g}"}  # ids stay unique across temperatures
                     for t in temperatures for r in _lines(out / f"answers.t{t:g}.jsonl")]  # fmt: skip
         _write_lines(conversations, answered)
