@@ -5,7 +5,7 @@ import time
 import pytest
 
 from flashdraft.demo.pipeline import StageClock
-from flashdraft.dist.exchange import BusyClock
+from flashdraft.distributed.exchange import BusyClock
 
 
 def test_a_lap_after_a_restart_counts_from_the_restart():

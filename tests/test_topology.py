@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from flashdraft.dist.topology import init_topology
+from flashdraft.distributed.topology import init_topology
 
 
 @pytest.mark.parametrize(("asked", "device", "made"), [("gloo", "cuda", "gloo"), ("auto", "cuda", "nccl")])
@@ -38,7 +38,7 @@ def test_ranks_sharing_a_gpu_over_gloo_stage_messages_in_host_memory(monkeypatch
 def test_fsdp_over_gloo_on_a_gpu_is_refused():
     from types import SimpleNamespace
 
-    from flashdraft.dist.parallel import parallelize
+    from flashdraft.distributed.parallel import parallelize
 
     topo = SimpleNamespace(num_drafters=2, is_drafter=True, device=torch.device("cuda", 0), backend="gloo")
     with pytest.raises(ValueError, match="needs NCCL"):
@@ -77,8 +77,8 @@ def test_feature_messages_travel_on_their_own_process_group_in_reused_buffers(mo
     from types import SimpleNamespace
 
     from flashdraft.data.packing import PackedBatch
-    from flashdraft.dist.exchange import MessageShape, RemoteFeatures, serve_features
-    from flashdraft.dist.topology import Layout, Topology
+    from flashdraft.distributed.exchange import MessageShape, RemoteFeatures, serve_features
+    from flashdraft.distributed.topology import Layout, Topology
 
     sent = []
     op = lambda op, tensor, peer, group=None: SimpleNamespace(op=op, tensor=tensor, group=group)  # noqa: E731
@@ -88,13 +88,13 @@ def test_feature_messages_travel_on_their_own_process_group_in_reused_buffers(mo
     ids = torch.zeros(1, 8, dtype=torch.long)
     stream = [PackedBatch(ids + m, ids, ids, ids) for m in range(7)]
     shape = MessageShape(1, 8, 4, torch.float32)
-    target = Topology(0, 2, 0, Layout("split", 1, 1), exchange_group=group)
+    target = Topology(0, 2, 0, Layout.parse("split:1:1"), exchange_group=group)
     serve_features(target, lambda batch, plain: torch.zeros(1, 8, 4), stream, 7, shape)
     assert [o.op for o in sent] == [dist.isend] * 14 and all(o.group is group for o in sent)
     assert len({o.tensor.data_ptr() for o in sent}) == 6  # 3 headers and 3 feature buffers
     assert int(sent[12].tensor[0]) == 6  # the last message's header holds its own ids
     sent.clear()
-    drafter = RemoteFeatures(Topology(1, 2, 1, Layout("split", 1, 1), exchange_group=group), shape, 2)
+    drafter = RemoteFeatures(Topology(1, 2, 1, Layout.parse("split:1:1"), exchange_group=group), shape, 2)
     for m in range(7):
         drafter._post(m)
     assert [o.op for o in sent] == [dist.irecv] * 14 and all(o.group is group for o in sent)

@@ -18,7 +18,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, Pre
 
 from flashdraft.config import TrainConfig, resolve_config
 from flashdraft.data.packing import PackedBatch
-from flashdraft.dist.topology import init_topology
+from flashdraft.distributed.topology import init_topology
 from flashdraft.model.drafter import DFlashDrafter, drafter_config
 from flashdraft.model.target import choose_packing
 from flashdraft.train.flops import matmul_tflops, step_flops, sync
@@ -292,7 +292,7 @@ def _drafter_bench(trainer: Trainer, dev: torch.device, steps: int, warmup: int)
 def _rank_info(topo, dev, startup: float, first_step: float | None, report=None) -> dict:
     return {
         "rank": topo.rank,
-        "role": "colocated" if topo.layout.kind == "colocated" else "target" if topo.is_target else "drafter",
+        "role": ("target" if topo.is_target else "drafter") if topo.layout.is_split else "colocated",
         "peak_mem_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if dev.type == "cuda" else 0.0,
         "startup_s": round(startup, 1),
         "first_step_s": None if first_step is None else round(first_step, 1),

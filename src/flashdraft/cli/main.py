@@ -74,7 +74,7 @@ def train(
     if nproc is not None and "LOCAL_RANK" not in os.environ:
         _launch(nproc)
         return
-    from flashdraft.dist.topology import pin_local_gpu
+    from flashdraft.distributed.topology import pin_local_gpu
 
     pin_local_gpu()
     from flashdraft.config import resolve_config
@@ -133,8 +133,8 @@ def train(
 
 def _print_plan(preset: str, config: Path | None, target: str, layout: str, world: int, fsdp: bool) -> None:
     from flashdraft.config import resolve_config
-    from flashdraft.dist.plan import make_plan
     from flashdraft.model.target import target_config
+    from flashdraft.train.plan import make_plan
 
     try:
         cfg = resolve_config(preset, config, fsdp=fsdp or None)
@@ -251,7 +251,7 @@ def bench(
     if nproc is not None and "LOCAL_RANK" not in os.environ:
         _launch(nproc)
         return
-    from flashdraft.dist.topology import pin_local_gpu
+    from flashdraft.distributed.topology import pin_local_gpu
 
     pin_local_gpu()
     from rich.console import Console

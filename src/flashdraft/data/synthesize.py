@@ -4,8 +4,9 @@ The Magpie method (Xu et al. 2024, arXiv 2406.08464): given only its chat templa
 content of a user turn, an aligned chat model writes a plausible request and ends the turn with the
 template's end-of-turn token. A system message before the user header (`system`) steers what is asked,
 as Magpie's domain-specific sets do (e.g. "You are a Python programming assistant." for coding requests);
-it only steers: the records hold the user turn alone, answered later under the template's default. Batches of that prefix are sampled, each batch from its own seed, and every
-sample is kept or dropped with a reason:
+it only steers: the records hold the user turn alone, answered later under the template's default.
+Batches of that prefix are sampled, each batch from its own seed, and every sample is kept or dropped
+with a reason:
 - `no_end`: the turn did not end within `max_tokens`;
 - `template_tokens`: a special token of the template came before the end (a role header, a new turn);
 - `empty`: nothing but whitespace;

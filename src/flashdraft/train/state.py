@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from flashdraft.config import TrainConfig
-from flashdraft.dist.parallel import load_full_state
+from flashdraft.distributed.parallel import load_full_state
 
 STATE = "trainer_state.pt"
 log = logging.getLogger(__name__)

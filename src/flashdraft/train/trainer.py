@@ -29,9 +29,15 @@ from torch.distributed.tensor import DTensor
 
 from flashdraft.config import TrainConfig, save_config
 from flashdraft.data.packing import MicroBatchStream, PackedLoader, load_token_dataset
-from flashdraft.dist.exchange import MessageShape, RemoteFeatures, serve_features
-from flashdraft.dist.parallel import clip_grad_norm, full_state, gradient_sync, parallelize, sharding_line
-from flashdraft.dist.topology import Topology, init_topology
+from flashdraft.distributed.exchange import MessageShape, RemoteFeatures, serve_features
+from flashdraft.distributed.parallel import (
+    clip_grad_norm,
+    full_state,
+    gradient_sync,
+    parallelize,
+    sharding_line,
+)
+from flashdraft.distributed.topology import Topology, init_topology
 from flashdraft.model.checkpoint import (
     drafter_from_state,
     latest_checkpoint,
@@ -307,11 +313,11 @@ def build_trainer(
             f"{data_dir}: too little data for one step ({len(stream)} batches, {per_step} needed)"
         )
     total_steps = cfg.max_steps or len(stream) // per_step
-    if cfg.eval_every and topo.layout.kind == "split":
+    if cfg.eval_every and topo.layout.is_split:
         raise ValueError("eval_every needs the whole target on the drafter rank: use the colocated layout")
     val = None
     if cfg.val_data:
-        if topo.layout.kind == "split":
+        if topo.layout.is_split:
             raise ValueError("val_data needs the target on the drafter ranks: use the colocated layout")
         val = PackedLoader(load_token_dataset(cfg.val_data), *rows)
         if val.batches_in_epoch(0) == 0:
@@ -416,7 +422,7 @@ class Trainer:
         self.last_metrics: dict = {}
         self.artifacts_loaded = False
         self.remote = None
-        if self.topo.layout.kind == "split" and self.topo.is_drafter:
+        if self.topo.layout.is_split and self.topo.is_drafter:
             self.remote = RemoteFeatures(self.topo, self.message_shape(), cfg.grad_accum)
         if resume:
             self._resume()

@@ -25,7 +25,7 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.nn.parallel import DistributedDataParallel
 
-from flashdraft.dist.topology import Topology
+from flashdraft.distributed.topology import Topology
 
 
 def parallelize(drafter: nn.Module, topo: Topology, fsdp: bool = False) -> nn.Module:

@@ -1,8 +1,7 @@
 """The one owner of the world: ranks, roles, process groups and devices.
 
-Layouts (design.md "Processes, devices, layouts"):
-- `colocated`: every rank holds the frozen target and a drafter replica; gradients all-reduced.
-- `split:T:D`: ranks 0..T-1 run the target and send features, ranks T..T+D-1 train the drafter.
+Layouts (flashdraft.distributed.layout): `colocated` (every rank runs the target and a drafter
+replica) or `split:T:D` (T target ranks send features to D drafter ranks).
 
 One process per GPU, always (launched by torchrun or `flashdraft train --nproc N`), and each
 process sees its GPU as cuda:0, so compile-cache keys are identical on every rank. CPU runs use gloo.
@@ -12,36 +11,13 @@ Model code never imports torch.distributed; it asks this object.
 from __future__ import annotations
 
 import os
-import re
 from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-
-@dataclass(frozen=True)
-class Layout:
-    kind: str  # "colocated" or "split"
-    targets: int = 0
-    drafters: int = 0
-
-    @classmethod
-    def parse(cls, text: str, world_size: int) -> Layout:
-        if text == "colocated":
-            return cls("colocated", world_size, world_size)
-        m = re.fullmatch(r"split:(\d+):(\d+)", text)
-        if not m:
-            raise ValueError(f"--layout {text!r}: expected 'colocated' or 'split:T:D' (e.g. split:5:3)")
-        t, d = int(m.group(1)), int(m.group(2))
-        if t < 1 or d < 1:
-            raise ValueError(f"--layout {text}: needs at least one target and one drafter rank")
-        if t + d != world_size:
-            raise ValueError(f"--layout {text} needs {t + d} processes, but the world has {world_size}")
-        return cls("split", t, d)
-
-    def __str__(self) -> str:
-        return "colocated" if self.kind == "colocated" else f"split:{self.targets}:{self.drafters}"
+from flashdraft.distributed.layout import Layout
 
 
 @dataclass
@@ -49,7 +25,7 @@ class Topology:
     rank: int = 0
     world_size: int = 1
     local_rank: int = 0
-    layout: Layout = field(default_factory=lambda: Layout("colocated", 1, 1))
+    layout: Layout = field(default_factory=lambda: Layout().on(1))
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     drafter_group: object | None = None  # process group of drafter ranks (gradient all-reduce)
     exchange_group: object | None = None  # split layouts: the feature messages' own group
@@ -68,16 +44,16 @@ class Topology:
     @property
     def is_target(self) -> bool:
         """Computes target features (every rank when colocated)."""
-        return self.layout.kind == "colocated" or self.rank < self.layout.targets
+        return not self.layout.is_split or self.rank < self.layout.targets
 
     @property
     def is_drafter(self) -> bool:
-        return self.layout.kind == "colocated" or self.rank >= self.layout.targets
+        return not self.layout.is_split or self.rank >= self.layout.targets
 
     @property
     def drafter_rank(self) -> int:
         """Index among drafter ranks: which share of the data this rank trains on."""
-        return self.rank if self.layout.kind == "colocated" else self.rank - self.layout.targets
+        return self.rank - self.layout.targets if self.layout.is_split else self.rank
 
     @property
     def num_drafters(self) -> int:
@@ -94,7 +70,7 @@ class Topology:
 
     def drafter_rank_for(self, micro_index: int) -> int:
         """Global rank of the drafter that trains on global micro-batch `micro_index`."""
-        base = 0 if self.layout.kind == "colocated" else self.layout.targets
+        base = self.layout.targets if self.layout.is_split else 0
         return base + micro_index % self.layout.drafters
 
     def drafter_max(self, value: float) -> float:
@@ -129,7 +105,9 @@ def pin_local_gpu() -> None:
         os.environ["FLASHDRAFT_KEEP_VISIBLE_DEVICES"] = "1"
 
 
-def init_topology(layout: str = "colocated", device: str | None = None, backend: str = "auto") -> Topology:
+def init_topology(
+    layout: str | Layout = "colocated", device: str | None = None, backend: str = "auto"
+) -> Topology:
     """Read the torchrun environment (or none: a single process) and build the process groups.
 
     backend: auto (NCCL on GPU, gloo on CPU), or gloo to put several ranks on one GPU (NCCL
@@ -138,7 +116,7 @@ def init_topology(layout: str = "colocated", device: str | None = None, backend:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local = int(os.environ.get("LOCAL_RANK", "0"))
-    lay = Layout.parse(layout, world)
+    lay = Layout.parse(layout).on(world)
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     dev = torch.device(device)
@@ -155,8 +133,8 @@ def init_topology(layout: str = "colocated", device: str | None = None, backend:
         dist.init_process_group(
             backend, timeout=timedelta(minutes=30), device_id=dev if backend == "nccl" else None
         )
-        drafters = list(range(world)) if lay.kind == "colocated" else list(range(lay.targets, world))
+        drafters = list(range(lay.targets, world)) if lay.is_split else list(range(world))
         topo.drafter_group = dist.new_group(drafters) if len(drafters) < world else dist.group.WORLD
-        if lay.kind == "split":  # feature messages never queue behind (or between) other collectives
+        if lay.is_split:  # feature messages never queue behind (or between) other collectives
             topo.exchange_group = dist.new_group(list(range(world)))
     return topo

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from flashdraft.config import TrainConfig
-from flashdraft.dist.topology import Layout
+from flashdraft.distributed.layout import Layout
 from flashdraft.model.drafter import drafter_config
 from flashdraft.train.flops import layer_matmul_params, step_flops
 
@@ -47,7 +47,7 @@ class Plan:
             f"work per micro-batch: target {self.target_tflop_per_micro:.1f} TFLOP, "
             f"drafter {self.drafter_tflop_per_micro:.1f} TFLOP"
         )
-        if self.layout.startswith("split"):
+        if Layout.parse(self.layout).is_split:
             busy_t = min(1.0, self.target_share)
             busy_d = min(1.0, 1 / self.target_share)
             eff = f"target at {EFFICIENCY['target']:.0%}, drafter at {EFFICIENCY['drafter']:.0%} of peak"
@@ -57,8 +57,8 @@ class Plan:
         return out
 
 
-def make_plan(cfg: TrainConfig, target_config, layout: str, world_size: int) -> Plan:
-    lay = Layout.parse(layout, world_size)
+def make_plan(cfg: TrainConfig, target_config, layout: str | Layout, world_size: int) -> Plan:
+    lay = Layout.parse(layout).on(world_size)
     spec = cfg.drafter
     dcfg = drafter_config(
         target_config, spec.num_layers, spec.target_layer_ids, spec.num_taps, spec.block_size, 0,
@@ -81,7 +81,7 @@ def make_plan(cfg: TrainConfig, target_config, layout: str, world_size: int) -> 
         cfg.num_anchors * (spec.block_size - 1),
     )
     target_tf, drafter_tf = b * flops["target"] / 1e12, b * flops["drafter"] / 1e12
-    if lay.kind == "colocated":
+    if not lay.is_split:
         roles = ["target + drafter"] * world_size
         share = 1.0
     else:

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from flashdraft.data.packing import MicroBatchStream, PackedBatch
-from flashdraft.dist.topology import Topology
+from flashdraft.distributed.topology import Topology
 
 
 @dataclass(frozen=True)
