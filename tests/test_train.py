@@ -4,6 +4,7 @@ import json
 
 import pytest
 import torch
+import yaml
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
@@ -161,6 +162,94 @@ def test_train_command_writes_a_run_directory(tmp_path, tiny_target_dir, tiny_to
     assert (ckpts / "LATEST").read_text().strip() == "step_000004"
     assert (ckpts / "step_000002" / "model.safetensors").exists()
     assert list((run / "tb").iterdir())
+
+
+def test_a_runs_own_config_yaml_runs_it_again(tmp_path, tiny_target_dir, tiny_tokenizer):
+    """RUN/config.yaml holds the whole run (recipe and `run:`); `--config` takes it back as it is and
+    the second run trains as the first did."""
+    data = _token_data(tmp_path / "data", tiny_tokenizer, [70, 90, 120, 60, 100, 80] * 2, seed=5)
+    first = tmp_path / "first"
+    args = ["train", "--target", str(tiny_target_dir), "--data", str(data), "--out", str(first)]
+    args += ["--preset", "tiny_cpu", "--max-steps", "3", "--seed", "7"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    saved = yaml.safe_load((first / "config.yaml").read_text())
+    assert saved["run"]["target"] == str(tiny_target_dir) and saved["record"]["data_dir"] == str(data)
+    assert "resume" not in saved["run"] and "overwrite" not in saved["run"]
+
+    again = CliRunner().invoke(app, ["train", "--config", str(first / "config.yaml")])
+    assert again.exit_code == 2 and f"{first} holds a run" in again.output  # its own run.out
+    second = tmp_path / "second"
+    again = CliRunner().invoke(app, ["train", "--config", str(first / "config.yaml"), "--out", str(second)])
+    assert again.exit_code == 0, again.output
+    resaved = yaml.safe_load((second / "config.yaml").read_text())
+    assert resaved["run"].pop("out") == str(second) and saved["run"].pop("out") == str(first)
+    assert resaved == saved
+
+    from safetensors.torch import load_file
+
+    def weights(run):
+        return load_file(run / "checkpoints" / "step_000003" / "model.safetensors")
+
+    a, b = weights(first), weights(second)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_train_shows_only_its_own_progress_and_no_deprecation_warning(
+    tmp_path, tiny_target_dir, tiny_tokenizer
+):
+    """transformers' and datasets' bars are off unless --verbose; our forwards use the cache argument
+    the installed transformers names (5.24 deprecated `past_key_values`)."""
+    import warnings
+
+    import datasets
+    import transformers
+
+    from flashdraft.model.target import Target
+
+    data = _token_data(tmp_path / "data", tiny_tokenizer, [70, 90, 120, 60] * 2, seed=6)
+    args = ["train", "--target", str(tiny_target_dir), "--data", str(data), "--preset", "tiny_cpu"]
+    args += ["--max-steps", "1"]
+    shown = {}
+    for flags in (["--verbose"], []):
+        transformers.utils.logging.enable_progress_bar(), datasets.enable_progress_bars()
+        result = CliRunner().invoke(app, [*args, "--out", str(tmp_path / f"run{len(flags)}"), *flags])
+        assert result.exit_code == 0, result.output
+        shown[len(flags)] = "Loading weights" in result.output
+    transformers.utils.logging.enable_progress_bar(), datasets.enable_progress_bars()
+    assert shown == {1: True, 0: False}
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(tiny_target_dir)
+    target = Target(model, [1, 3])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        target.decode(torch.tensor([[5, 6, 7]]), transformers.DynamicCache(config=model.config))
+    assert not [w for w in caught if issubclass(w.category, (FutureWarning, DeprecationWarning))]
+    target.detach()
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        (["--layout", "split:x"], "layout 'split:x': expected 'colocated' or 'split:T:D'"),
+        (["--layout", "split:1:1", "--eval-every", "2", "--eval-prompts", "p.jsonl"], "eval_every needs the"),
+        (["--device", "gpu"], "run.device"),
+    ],
+)
+def test_a_run_setting_is_checked_before_anything_loads(tmp_path, options, message):
+    """The target named does not exist: each error is the config's own, found before loading it."""
+    args = [
+        "train",
+        "--target",
+        str(tmp_path / "nothing"),
+        "--data",
+        str(tmp_path),
+        "--out",
+        str(tmp_path / "r"),
+    ]
+    result = CliRunner().invoke(app, [*args, *options])
+    assert result.exit_code == 2 and message in result.output, result.output
+    assert "nothing" not in result.output and not (tmp_path / "r").exists()
 
 
 def _token_data(path, tokenizer, lengths, seed):

@@ -1,16 +1,22 @@
-"""Typed, validated training configuration with named presets.
+"""Typed, validated run configuration with named presets.
 
-A run's config is a preset (`tiny_cpu`, `qwen3_8b_h200`, ...) overlaid with a YAML file and then
-command-line options; the resolved result is saved as RUN/config.yaml and inside checkpoints.
+`TrainConfig` is the recipe (drafter shape, data shape, optimizer, schedule, probes); `RunConfig` adds
+`run:` (`RunSpec`: target, data, output, device, layout, backend, mirror): everything `flashdraft train`
+needs, validated completely before anything is loaded. A run's config is a preset (`tiny_cpu`,
+`qwen3_8b_h200`, ...) overlaid with a YAML file and then command-line options; the resolved result is
+saved as RUN/config.yaml (with a `record:` of the target and data it trained on, which reading ignores)
+and inside checkpoints, and `flashdraft train --config RUN/config.yaml` runs it again.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from flashdraft.distributed.layout import Layout
 
 FLOAT32_MAX = 3.4028234663852886e38  # the optimizer's state and the weights are float32
 
@@ -166,6 +172,68 @@ class TrainConfig(_Strict):
         return self
 
 
+class RunSpec(_Strict):
+    """What a run trains against, where it writes, how its processes are laid out: the part of a run
+    that is not the recipe. `resume` and `overwrite` are what one invocation does with `out`; they are
+    not saved."""
+
+    target: str = Field(min_length=1, description="target model: local HF directory, hub id or .gguf file")
+    data: str = Field(min_length=1, description="token dataset directory (from `flashdraft data prepare`)")
+    out: str = Field(min_length=1, description="run directory")
+    device: str | None = Field(None, pattern=r"^(cpu|cuda)(:\d+)?$", description="default: cuda when visible")
+    layout: str = Field("colocated", description="colocated, or split:T:D (T target + D drafter ranks)")
+    backend: Literal["auto", "gloo", "nccl"] = Field(
+        "auto", description="process-group backend: auto (NCCL on GPU, gloo on CPU), gloo or nccl"
+    )
+    s3: str | None = Field(None, pattern=r"^s3://[^/]+", description="mirror to s3://bucket/prefix")
+    resume: bool = Field(False, description="continue the run in `out` (or restore it from `s3`)")
+    overwrite: bool = Field(False, description="`out` holds a run: delete it and start again")
+
+    @field_validator("layout")
+    @classmethod
+    def _layout(cls, text: str) -> str:
+        return str(Layout.parse(text))
+
+    @property
+    def parsed_layout(self) -> Layout:
+        return Layout.parse(self.layout)
+
+    @model_validator(mode="after")
+    def _one_action(self) -> RunSpec:
+        if self.resume and self.overwrite:
+            raise ValueError("resume continues the run in `out`, overwrite deletes it: choose one")
+        return self
+
+
+class RunConfig(TrainConfig):
+    """The recipe and `run:`; see the module docstring."""
+
+    run: RunSpec
+    record: dict[str, Any] | None = Field(
+        None, description="what a run recorded of its target and data; written by flashdraft, ignored on read"
+    )
+
+    @field_validator("record")
+    @classmethod
+    def _ignored(cls, _) -> None:
+        return None
+
+    @model_validator(mode="after")
+    def _fits_layout(self) -> RunConfig:
+        if self.run.parsed_layout.is_split:
+            if self.eval_every:
+                raise ValueError(
+                    "eval_every needs the whole target on the drafter rank: use the colocated layout"
+                )
+            if self.val_data:
+                raise ValueError("val_data needs the target on the drafter ranks: use the colocated layout")
+        return self
+
+    @property
+    def recipe(self) -> TrainConfig:
+        return TrainConfig.model_validate(self.model_dump(exclude={"run", "record"}))
+
+
 PRESETS: dict[str, dict[str, Any]] = {
     "default": {},
     "tiny_cpu": {
@@ -200,7 +268,35 @@ def set_dotted(tree: dict, key: str, value: Any) -> None:
 
 
 def resolve_config(preset: str = "default", yaml_path: Path | None = None, **overrides: Any) -> TrainConfig:
-    """preset < YAML file < overrides (dotted keys such as `optim.lr`); None overrides are ignored."""
+    """preset < YAML file < overrides (dotted keys such as `optim.lr`); None overrides are ignored. A
+    saved RUN/config.yaml is read as its recipe (its `run:` and `record:` left out)."""
+    raw = _resolve_raw(preset, yaml_path, overrides)
+    raw.pop("run", None), raw.pop("record", None)
+    return _validate(TrainConfig, raw, yaml_path)
+
+
+def resolve_run_config(preset: str = "default", yaml_path: Path | None = None, **overrides: Any) -> RunConfig:
+    """As resolve_config, with `run.*` keys (`run.target`, `run.out`, ...) among the overrides or a
+    `run:` mapping in the YAML: the whole run, checked before anything loads."""
+    return _validate(RunConfig, _resolve_raw(preset, yaml_path, overrides), yaml_path)
+
+
+def run_config(cfg: TrainConfig, **run: Any) -> RunConfig:
+    """A recipe and its `run:` settings (RunSpec's fields) as one RunConfig."""
+    raw = cfg.model_dump(mode="json", exclude={"run", "record"})
+    run = {k: str(v) if isinstance(v, Path) else v for k, v in run.items() if v is not None}
+    return _validate(RunConfig, {**raw, "run": run}, None)
+
+
+def _validate(model: type[BaseModel], raw: dict, yaml_path: Path | None):
+    try:
+        return model.model_validate(raw)
+    except ValidationError as e:
+        where = f" in {yaml_path}" if yaml_path else ""
+        raise ValueError(f"invalid config{where}:\n{e}") from None
+
+
+def _resolve_raw(preset: str, yaml_path: Path | None, overrides: dict) -> dict:
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
     raw = dict(PRESETS[preset])
@@ -218,15 +314,13 @@ def resolve_config(preset: str = "default", yaml_path: Path | None = None, **ove
     for key, value in overrides.items():
         if value is not None:
             set_dotted(raw, key, value)
-    try:
-        return TrainConfig.model_validate(raw)
-    except ValidationError as e:
-        where = f" in {yaml_path}" if yaml_path else ""
-        raise ValueError(f"invalid config{where}:\n{e}") from None
+    return raw
 
 
-def save_config(cfg: TrainConfig, path: Path, extra: dict | None = None) -> None:
-    data = cfg.model_dump(mode="json")
-    if extra:
-        data = {**extra, **data}
+def save_config(cfg: TrainConfig, path: Path, record: dict | None = None) -> None:
+    """RUN/config.yaml: the config as `--config` reads it back (a run's `resume` and `overwrite` left
+    out), then `record:`."""
+    data = cfg.model_dump(mode="json", exclude={"record": True, "run": {"resume", "overwrite"}})
+    if record:
+        data["record"] = record
     Path(path).write_text(yaml.safe_dump(data, sort_keys=False))

@@ -84,7 +84,8 @@ def _run_target(ckpt: Path) -> str | None:
     config = ckpt.resolve().parent.parent / "config.yaml"
     if not config.is_file():
         return None
-    return (yaml.safe_load(config.read_text()) or {}).get("target")
+    saved = yaml.safe_load(config.read_text()) or {}
+    return (saved.get("run") or {}).get("target") or saved.get("target")  # top level: older runs
 
 
 def export_cmd(

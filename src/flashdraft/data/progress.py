@@ -1,4 +1,5 @@
-"""A progress bar for the record-by-record data commands (regenerate, synthesize), on stderr."""
+"""A progress bar for the record-by-record data commands (regenerate, synthesize), on stderr; the
+libraries' own bars switched off (`quiet_libraries`)."""
 
 from __future__ import annotations
 
@@ -31,3 +32,13 @@ def progress_bar(label: str, total: int, enabled: bool) -> Iterator[Callable[[],
 class _RateColumn(ProgressColumn):
     def render(self, task) -> Text:
         return Text(f"{task.speed or 0:.2f} rec/s")
+
+
+def quiet_libraries() -> None:
+    """flashdraft's own progress display only: transformers' bars (loading weights, converting a GGUF)
+    and datasets' (tokenize, saving a dataset) off for the rest of the process. `--verbose` keeps them."""
+    import datasets
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()
+    datasets.disable_progress_bars()

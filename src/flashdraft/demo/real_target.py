@@ -138,6 +138,7 @@ def gguf_to_hf(gguf: Path, out: Path) -> Path:
     config.architectures = [type(model).__name__]
     config.save_pretrained(tmp)
     model.generation_config.save_pretrained(tmp)
+    tokenizer.clean_up_tokenization_spaces = False  # GGUF's True: a WordPiece step BPE tokenizers refuse
     tokenizer.save_pretrained(tmp)
     tmp.rename(out)
     return out

@@ -27,6 +27,7 @@ weights are exact zeros) and non-zero otherwise.
 
 from __future__ import annotations
 
+import inspect
 from pathlib import Path
 
 import torch
@@ -99,6 +100,9 @@ class Target:
         model.requires_grad_(False).eval()
         self.model = model
         self.config = model.config.get_text_config()
+        # transformers 5.24 renamed the forward's KV-cache argument (past_key_values -> cache)
+        forward = inspect.signature(model.forward).parameters
+        self._cache_arg = "cache" if "cache" in forward else "past_key_values"
         self.decoder, attr, layers = decoder_layers(model)
         self.num_layers = len(layers)
         if not layer_ids or max(layer_ids) >= self.num_layers or min(layer_ids) < EMBEDDINGS:
@@ -222,7 +226,7 @@ class Target:
         self._taps.clear()
         out = self.model(
             input_ids=input_ids,
-            past_key_values=past_key_values,
+            **{self._cache_arg: past_key_values},
             use_cache=True,
             logits_to_keep=logits_to_keep,
         )

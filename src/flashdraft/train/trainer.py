@@ -27,7 +27,7 @@ import torch.distributed as dist
 import yaml
 from torch.distributed.tensor import DTensor
 
-from flashdraft.config import TrainConfig, save_config
+from flashdraft.config import RunConfig, TrainConfig, run_config, save_config
 from flashdraft.data.packing import MicroBatchStream, PackedLoader, load_token_dataset
 from flashdraft.distributed.exchange import MessageShape, RemoteFeatures, serve_features
 from flashdraft.distributed.parallel import (
@@ -258,20 +258,29 @@ def build_trainer(
     backend: str = "auto",
     overwrite: bool = False,
 ) -> Trainer:
+    """`build` of a recipe and its run settings given one by one."""
+    run = {"target": target_path, "data": data_dir, "out": out_dir, "device": device, "layout": layout}
+    run |= {"resume": resume, "s3": s3_url, "backend": backend, "overwrite": overwrite}
+    return build(run_config(cfg, **run))
+
+
+def build(config: RunConfig) -> Trainer:
     """Read the world, load the target and the token dataset, build the drafter: a Trainer ready to run.
 
-    With `s3_url`, checkpoints and logs are mirrored there; resuming with an empty `out_dir` first
-    restores the run's newest complete checkpoint from it (a fresh machine). An `out_dir` holding a run
-    is refused unless `resume` (continue it) or `overwrite` (delete it and start again); a resume checks
-    the target and data against the run's record (flashdraft.run.provenance).
+    With `run.s3`, checkpoints and logs are mirrored there; resuming with an empty `run.out` first
+    restores the run's newest complete checkpoint from it (a fresh machine). A `run.out` holding a run
+    is refused unless `run.resume` (continue it) or `run.overwrite` (delete it and start again); a resume
+    checks the target and data against the run's record (flashdraft.run.provenance).
     """
+    cfg, run = config, config.run
+    target_path, data_dir, out_dir, resume, s3_url = run.target, run.data, run.out, run.resume, run.s3
     if cfg.wandb and importlib.util.find_spec("wandb") is None:
         raise ValueError("--wandb needs the wandb package: pip install 'flashdraft[wandb]'")
-    topo = init_topology(layout, device, backend)
+    topo = init_topology(run.parsed_layout, run.device, run.backend)
     out = Path(out_dir)
     existing = [n for n in ("config.yaml", "checkpoints") if (out / n).exists()]
     if existing and not resume:
-        if not overwrite:
+        if not run.overwrite:
             raise ValueError(
                 f"{out} holds a run ({', '.join(existing)}): --resume {out} continues it, --overwrite "
                 "deletes it and starts again, or choose another --out"
@@ -304,7 +313,8 @@ def build_trainer(
     check_data_fits_target(data_dir, dataset, tokenizer, model.get_input_embeddings().num_embeddings)
     record = run_record(target_path, model, data_dir, dataset)
     if resume and (out / "config.yaml").is_file():
-        check_resume_record(yaml.safe_load((out / "config.yaml").read_text()) or {}, record, out)
+        saved = yaml.safe_load((out / "config.yaml").read_text()) or {}
+        check_resume_record(saved.get("record") or saved, record, out)  # top level: older runs
     loader = PackedLoader(dataset, *rows)
     stream = MicroBatchStream(loader, cfg.epochs)
     per_step = cfg.grad_accum * topo.num_drafters
@@ -313,12 +323,8 @@ def build_trainer(
             f"{data_dir}: too little data for one step ({len(stream)} batches, {per_step} needed)"
         )
     total_steps = cfg.max_steps or len(stream) // per_step
-    if cfg.eval_every and topo.layout.is_split:
-        raise ValueError("eval_every needs the whole target on the drafter rank: use the colocated layout")
     val = None
-    if cfg.val_data:
-        if topo.layout.is_split:
-            raise ValueError("val_data needs the target on the drafter ranks: use the colocated layout")
+    if cfg.val_data:  # the config refuses it in a split layout
         val = PackedLoader(load_token_dataset(cfg.val_data), *rows)
         if val.batches_in_epoch(0) == 0:
             raise ValueError(
@@ -596,7 +602,7 @@ class Trainer:
         if main:
             self.out.mkdir(parents=True, exist_ok=True)
             remove_partial_checkpoints(self.out / "checkpoints")
-            save_config(cfg, self.out / "config.yaml", extra={**self.meta, "layout": str(self.topo.layout)})
+            save_config(cfg, self.out / "config.yaml", record={**self.meta, "layout": str(self.topo.layout)})
             write_fingerprint(self.out / ENV_FILE, self._fingerprint_extra())
             wandb_config = cfg.model_dump(mode="json") if cfg.wandb else None
             log = MetricsLogger(self.out, self.total_steps, start_step=self.step, wandb_config=wandb_config)
