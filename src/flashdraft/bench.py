@@ -21,7 +21,7 @@ from flashdraft.data.packing import PackedBatch
 from flashdraft.distributed.topology import init_topology
 from flashdraft.model.drafter import DFlashDrafter, drafter_config
 from flashdraft.model.target import choose_packing
-from flashdraft.train.flops import matmul_tflops, step_flops, sync
+from flashdraft.train.flops import matmul_tflops, micro_batch_flops, sync
 from flashdraft.train.timing import PhaseTimer
 from flashdraft.train.trainer import Trainer, init_drafter_
 
@@ -210,8 +210,7 @@ def run_bench(
     step_s = statistics.median(times)
     pos_per_row = statistics.median(positions) / rows_per_batch
     # model FLOPs count every query position computed (n*B per row), as the kernels do
-    flops = step_flops(tcfg, dcfg, kept, seq_len, anchors * block_size, anchors * (block_size - 1))
-    flops = flops["total"] * rows_per_batch * drafters
+    flops = micro_batch_flops(trainer.cfg, tcfg, dcfg)["total"] * drafters
     tflops = flops / step_s / 1e12
     return BenchResult(
         shape=shape,

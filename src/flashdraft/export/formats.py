@@ -22,10 +22,9 @@ from pathlib import Path
 
 import torch
 import transformers
-from safetensors.torch import save_file
 from transformers import Qwen3Config
 
-from flashdraft.model.checkpoint import read_config, read_weights
+from flashdraft.model.checkpoint import read_config, read_weights, write_weights_and_config
 from flashdraft.model.drafter import LAST_LAYER
 
 CONFIG = "config.json"
@@ -223,9 +222,7 @@ def _write_atomic(out_dir: Path, cfg: dict, weights: dict[str, torch.Tensor]) ->
     tmp = out_dir.parent / f".tmp-{out_dir.name}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
-    tensors = {k: v.to(torch.bfloat16).contiguous() for k, v in sorted(weights.items())}
-    save_file(tensors, str(tmp / WEIGHTS), metadata={"format": "pt"})
-    (tmp / CONFIG).write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    write_weights_and_config(tmp, cfg, weights, torch.bfloat16)
     if out_dir.exists():
         out_dir.rmdir()
     os.replace(tmp, out_dir)

@@ -76,9 +76,15 @@ def write_zlab(
     weights: the drafter's full state dict when its own holds shards; default drafter.state_dict().
     """
     weights = drafter.state_dict() if weights is None else weights
-    state = {k: v.detach().to("cpu", dtype).contiguous() for k, v in weights.items()}
+    write_weights_and_config(out_dir, zlab_config(drafter), weights, dtype)
+
+
+def write_weights_and_config(out_dir: Path, cfg: dict, weights: dict, dtype: torch.dtype) -> None:
+    """model.safetensors (in `dtype`, on the CPU) and config.json into an existing directory, fsynced:
+    the one writer of both files, for checkpoints and every export layout."""
+    state = {k: v.detach().to("cpu", dtype).contiguous() for k, v in sorted(weights.items())}
     save_file(state, str(out_dir / WEIGHTS), metadata={"format": "pt"})
-    (out_dir / CONFIG).write_text(json.dumps(zlab_config(drafter), indent=2, sort_keys=True))
+    (out_dir / CONFIG).write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
     for name in (WEIGHTS, CONFIG):
         with open(out_dir / name, "rb") as f:
             os.fsync(f.fileno())

@@ -82,3 +82,19 @@ def step_flops(
     per_ctx = 6 * (n_taps * c.hidden_size * c.hidden_size + dc.num_hidden_layers * kv)
     drafter = positions * per_pos + head + seq_len * per_ctx
     return {"target": target, "drafter": drafter, "total": target + drafter}
+
+
+def micro_batch_flops(cfg, target_cfg, drafter_cfg) -> dict:
+    """Model FLOPs of one micro-batch of a run (`step_flops` of a row, times its rows): every query
+    position computed (num_anchors x block_size per row) as the kernels do. The trainer, the bench and
+    the plan all count with this."""
+    block = drafter_cfg.block_size
+    row = step_flops(
+        target_cfg,
+        drafter_cfg,
+        max(drafter_cfg.target_layer_ids) + 1,
+        cfg.data.seq_len,
+        cfg.num_anchors * block,
+        cfg.num_anchors * (block - 1),
+    )
+    return {k: v * cfg.data.rows_per_batch for k, v in row.items()}

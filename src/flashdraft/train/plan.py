@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from flashdraft.config import TrainConfig
 from flashdraft.distributed.layout import Layout
 from flashdraft.model.drafter import drafter_config
-from flashdraft.train.flops import layer_matmul_params, step_flops
+from flashdraft.train.flops import layer_matmul_params, micro_batch_flops
 
 # Fraction of the bf16 matmul peak each side reached on the H200 for qwen3-8b and the paper's
 # drafter (docs/results.md, fourth measurement): the compiled target forward, 43.0 TFLOP in 67.4 ms,
@@ -65,22 +65,13 @@ def make_plan(cfg: TrainConfig, target_config, layout: str | Layout, world_size:
         spec.intermediate_size, spec.num_attention_heads, spec.num_key_value_heads, spec.head_dim,
         spec.rope_theta,
     )  # fmt: skip
-    kept = max(dcfg.target_layer_ids) + 1
     t = target_config.get_text_config()
     head_params = 2 * t.vocab_size * t.hidden_size
     drafter_params = (
         layer_matmul_params(dcfg) * dcfg.num_hidden_layers + len(dcfg.target_layer_ids) * t.hidden_size**2
     )
-    b = cfg.data.rows_per_batch
-    flops = step_flops(
-        t,
-        dcfg,
-        kept,
-        cfg.data.seq_len,
-        cfg.num_anchors * spec.block_size,
-        cfg.num_anchors * (spec.block_size - 1),
-    )
-    target_tf, drafter_tf = b * flops["target"] / 1e12, b * flops["drafter"] / 1e12
+    flops = micro_batch_flops(cfg, target_config, dcfg)
+    target_tf, drafter_tf = flops["target"] / 1e12, flops["drafter"] / 1e12
     if not lay.is_split:
         roles = ["target + drafter"] * world_size
         share = 1.0

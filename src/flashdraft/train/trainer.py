@@ -59,7 +59,7 @@ from flashdraft.train.compile import (
     use_cache_dir,
     warm_up,
 )
-from flashdraft.train.flops import matmul_tflops, step_flops
+from flashdraft.train.flops import matmul_tflops, micro_batch_flops
 from flashdraft.train.metrics import MetricsLogger
 from flashdraft.train.state import STATE, load_trainer_state, trainer_state_writer
 from flashdraft.train.step import acceptance_map, micro_step_loss, plan_micro_batch, target_features
@@ -406,17 +406,7 @@ class Trainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda s: cosine_lr(s, total_steps, warmup, cfg.optim.min_lr_ratio)
         )
-        self.flops_per_micro = (
-            step_flops(
-                model.config,
-                drafter.config,
-                max(drafter.target_layer_ids) + 1,
-                cfg.data.seq_len,
-                cfg.num_anchors * drafter.block_size,
-                cfg.num_anchors * (drafter.block_size - 1),
-            )["total"]
-            * cfg.data.rows_per_batch
-        )
+        self.flops_per_micro = micro_batch_flops(cfg, model.config, drafter.config)["total"]
         self.peak_tflops: float | None = None  # measured at the start of run() on the main rank
         self.step = 0
         self.bad_run = torch.zeros((), dtype=torch.long, device=self.device)  # consecutive skipped steps
