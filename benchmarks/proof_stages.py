@@ -18,13 +18,16 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import sys
 import time
 from pathlib import Path
 
 import torch
 
-from flashdraft.demo.pipeline import H200, chat, code_windows, pretrain_target, source_files
-from flashdraft.demo.tiny import build_tiny_target, build_tokenizer
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the recipes package
+from flashdraft.demo.pipeline import chat, code_windows, pretrain_target, source_files  # noqa: E402
+from flashdraft.demo.tiny import build_tiny_target, build_tokenizer  # noqa: E402
+from recipes.proof import H200  # noqa: E402
 
 
 class Recorder:
@@ -102,7 +105,7 @@ def main() -> None:
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
 
-    from flashdraft.demo.proof import SMOKE
+    from recipes.proof import SMOKE  # noqa: I001
 
     scale = dataclasses.replace(SMOKE if args.smoke else H200, source_bytes=int(args.source_mb * 1e6))
     sync = torch.cuda.synchronize if scale.device == "cuda" else lambda: None

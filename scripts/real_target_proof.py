@@ -8,7 +8,7 @@ train`; measures tau with `flashdraft eval`'s engine at T = 0 and T = 1 against 
 n-gram baseline; exports the drafter and decodes it with the reference `dflash` package. With
 --ablations it also trains the same drafter without target features and with 3 taps, at the same time
 as the main one (as many steps, all inside the same budget, so fewer than without).
-Prints one table; writes OUT/proof.json. See flashdraft.demo.proof.
+Prints one table; writes OUT/proof.json. See recipes.proof.
 
     python scripts/real_target_proof.py --out runs/proof [--minutes 9] [--ablations]
     python scripts/real_target_proof.py --out runs/proof --resume --ablations   # ablations on top
@@ -21,10 +21,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import sys
 from pathlib import Path
 
-from flashdraft.demo.pipeline import H200
-from flashdraft.demo.proof import SMOKE, run_proof, with_drafter_overrides, with_scale_overrides
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the recipes package
+from recipes.proof import H200, SMOKE, run_proof, with_drafter_overrides, with_scale_overrides  # noqa: E402
 
 
 def main() -> None:

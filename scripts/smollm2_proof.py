@@ -18,24 +18,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import sys
 from pathlib import Path
 
-from flashdraft.demo.real_target import H200, STAGES, RealScale, run_real_target
-
-SMOKE = RealScale(
-    prompts=6,
-    code_prompts=6,
-    held_out=2,
-    prompt_tokens=32,
-    response_tokens=24,
-    batch=8,
-    sampled=True,
-    humaneval=2,
-    eval_tokens=16,
-    temperatures=(0.0, 1.0),
-    calibration_steps=2,
-    reference_prompts=2,
-)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the recipes package
+from flashdraft.demo.real_target import STAGES, run_real_target  # noqa: E402
+from recipes.smollm2 import H200, SMOKE  # noqa: E402
 
 
 def main() -> None:

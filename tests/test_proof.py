@@ -6,8 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from flashdraft.demo.pipeline import H200
-from flashdraft.demo.proof import (
+from flashdraft.eval.spec import mean_tau
+from recipes.proof import (
+    H200,
     SMOKE,
     VARIANTS,
     drafter_steps,
@@ -15,7 +16,6 @@ from flashdraft.demo.proof import (
     with_drafter_overrides,
     with_scale_overrides,
 )
-from flashdraft.eval.spec import mean_tau
 
 pytestmark = pytest.mark.slow
 
@@ -138,8 +138,8 @@ def test_a_drafter_runs_throughput_is_its_median_interval_not_the_last(tmp_path)
     import subprocess
     import sys
 
-    from flashdraft.demo.proof import DrafterRun, finish_drafter
     from flashdraft.model.checkpoint import LATEST
+    from recipes.proof import DrafterRun, finish_drafter
 
     (tmp_path / "checkpoints").mkdir()
     (tmp_path / "checkpoints" / LATEST).write_text("step_000003\n")

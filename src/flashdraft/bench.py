@@ -38,7 +38,7 @@ _QWEN3 = dict(
 SHAPES: dict[str, dict] = {
     "tiny": dict(_QWEN3, hidden_size=64, intermediate_size=192, num_hidden_layers=6, num_attention_heads=4,
                  num_key_value_heads=2, head_dim=16, vocab_size=512, tie_word_embeddings=False),
-    # the target scripts/real_target_proof.py trains (flashdraft.demo.pipeline.H200)
+    # the target scripts/real_target_proof.py trains (recipes.proof.H200)
     "proof-95m": dict(_QWEN3, hidden_size=768, intermediate_size=2304, num_hidden_layers=12,
                       num_attention_heads=12, num_key_value_heads=4, head_dim=64, vocab_size=8192,
                       tie_word_embeddings=False),

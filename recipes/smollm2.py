@@ -1,0 +1,49 @@
+"""The SmolLM2-135M-Instruct proof's scales (scripts/smollm2_proof.py; the flow is
+flashdraft.demo.real_target, whose CPU scale is `flashdraft demo --target smollm2`)."""
+
+from flashdraft.demo.real_target import RealScale
+
+H200 = RealScale(
+    device="cuda",
+    prompts=8192 + 32,
+    code_prompts=8192 + 32,
+    held_out=32,
+    prompt_tokens=96,  # coding requests run longer: at 32 tokens 11 of 17 did not end
+    response_tokens=256,
+    batch=4096,
+    regen_cache="static",
+    sampled=True,
+    prepare_procs=8,
+    humaneval=96,
+    eval_tokens=192,
+    temperatures=(0.0, 1.0),
+    preset="default",
+    train={
+        "drafter.num_layers": 3,
+        "drafter.num_taps": 5,
+        "data.seq_len": 2048,
+        "data.rows_per_batch": 8,
+        "num_anchors": 256,
+        "optim.lr": 1e-3,
+        "epochs": 100,  # the step count comes from the time left, not from passes over the data
+        "log_every": 50,
+    },
+    calibration_steps=5,
+    cuda_graphs=True,
+    reference_prompts=32,
+)
+
+SMOKE = RealScale(
+    prompts=6,
+    code_prompts=6,
+    held_out=2,
+    prompt_tokens=32,
+    response_tokens=24,
+    batch=8,
+    sampled=True,
+    humaneval=2,
+    eval_tokens=16,
+    temperatures=(0.0, 1.0),
+    calibration_steps=2,
+    reference_prompts=2,
+)
