@@ -77,7 +77,7 @@ def _poison(trainer, steps: set[int]):
 def test_non_finite_steps_are_skipped_and_a_run_of_them_stops_at_the_last_good_state(
     tmp_path, tiny_target_dir, data_dir
 ):
-    from flashdraft.train.trainer import NonFiniteError
+    from flashdraft.train.state import NonFiniteError
 
     skip = build_trainer(_cfg(log_every=1), tiny_target_dir, data_dir, tmp_path / "skip", device="cpu")
     _poison(skip, {3, 4})
@@ -134,7 +134,7 @@ def test_a_non_finite_config_value_is_refused_naming_the_file(tmp_path):
 def test_no_checkpoint_holds_a_non_finite_weight_and_none_such_prunes_a_good_one(
     tmp_path, tiny_target_dir, data_dir
 ):
-    from flashdraft.train.trainer import NonFiniteError
+    from flashdraft.train.state import NonFiniteError
 
     out = tmp_path / "run"
     trainer = build_trainer(_cfg(keep_last=1), tiny_target_dir, data_dir, out, device="cpu")

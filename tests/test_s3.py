@@ -357,7 +357,8 @@ def test_a_run_whose_mirror_did_not_complete_ends_with_an_error_naming_it(
     stops with an error (exit 1 from the command) instead of exit 0 with nothing uploaded."""
     from flashdraft.config import resolve_config
     from flashdraft.data.packing import save_token_dataset
-    from flashdraft.train.trainer import MirrorIncomplete, build_trainer
+    from flashdraft.train.state import MirrorIncomplete
+    from flashdraft.train.trainer import build_trainer
     from helpers import random_docs
 
     srv = MotoServer()

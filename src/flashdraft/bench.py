@@ -195,10 +195,10 @@ def run_bench(
     try:
         if not topo.is_drafter:
             trainer.serve()
-            _gather(topo, _rank_info(topo, dev, startup, None))
+            topo.gather_objects(_rank_info(topo, dev, startup, None))
             return None
         r = _drafter_bench(trainer, dev, steps, warmup)
-        ranks = _gather(topo, _rank_info(topo, dev, startup, r["first_step"], trainer.compile_report))
+        ranks = topo.gather_objects(_rank_info(topo, dev, startup, r["first_step"], trainer.compile_report))
     finally:
         trainer.close()
     if not topo.is_main:
@@ -297,14 +297,6 @@ def _rank_info(topo, dev, startup: float, first_step: float | None, report=None)
         "first_step_s": None if first_step is None else round(first_step, 1),
         "compile": report.line() if report else None,
     }
-
-
-def _gather(topo, info: dict) -> list[dict]:
-    if not topo.distributed:
-        return [info]
-    out: list = [None] * topo.world_size
-    torch.distributed.all_gather_object(out, info)
-    return out
 
 
 def _measure(trainer: Trainer, steps: int, dev: torch.device):

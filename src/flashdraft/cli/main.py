@@ -122,7 +122,8 @@ def train(
         trainer = build(cfg)
     except (ValueError, OSError) as e:
         _fail(str(e))
-    from flashdraft.train.trainer import Interrupted, MirrorIncomplete, NonFiniteError
+    from flashdraft.train.state import MirrorIncomplete, NonFiniteError
+    from flashdraft.train.trainer import Interrupted
 
     try:
         result = _run_with_progress(trainer, cfg.log_every)

@@ -88,6 +88,25 @@ class Topology:
         if self.distributed:
             dist.barrier()
 
+    def drafter_sum_(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum `tensor` in place over the drafter ranks (the step's loss weights, its statistics)."""
+        if self.num_drafters > 1:
+            dist.all_reduce(tensor, group=self.drafter_group)
+        return tensor
+
+    def drafter_barrier(self) -> None:
+        """Wait for every drafter rank (a checkpoint is complete on all before any goes on)."""
+        if self.num_drafters > 1:
+            dist.barrier(group=self.drafter_group)
+
+    def gather_objects(self, obj) -> list:
+        """Every rank's `obj` (picklable), in rank order, on every rank."""
+        if not self.distributed:
+            return [obj]
+        out: list = [None] * self.world_size
+        dist.all_gather_object(out, obj)
+        return out
+
     def close(self) -> None:
         if self.distributed and dist.is_initialized():
             dist.destroy_process_group()

@@ -1,4 +1,6 @@
-"""Trainer state saved beside the z-lab weights, so `--resume` continues exactly where a run stopped.
+"""A run's checkpoints: the trainer state saved beside the z-lab weights, so `--resume` continues
+exactly where a run stopped, and the `Checkpointer`, which owns them (resume from the newest readable
+one, save complete or absent and only when finite, prune, mirror to S3).
 
 trainer_state.pt holds the step, the fp32 master weights (the z-lab file is bf16), the optimizer
 and scheduler states and the config it ran with: plain tensors and containers, loaded with
@@ -9,13 +11,25 @@ needed to continue bit for bit.
 
 from __future__ import annotations
 
+import json
 import logging
+import pickle
+import re
 from pathlib import Path
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from flashdraft.config import TrainConfig
-from flashdraft.distributed.parallel import load_full_state
+from flashdraft.distributed.parallel import full_state, load_full_state
+from flashdraft.model.checkpoint import (
+    latest_checkpoint,
+    prune_checkpoints,
+    remove_partial_checkpoints,
+    save_checkpoint,
+)
+from flashdraft.run.fingerprint import ENV_FILE, fingerprint
+from flashdraft.train.compile import ARTIFACTS, artifacts_writer, load_artifacts
 
 STATE = "trainer_state.pt"
 log = logging.getLogger(__name__)
@@ -86,3 +100,158 @@ def load_trainer_state(ckpt: Path, trainer) -> int:
     trainer.scheduler.base_lrs = [trainer.cfg.optim.lr for _ in trainer.scheduler.base_lrs]
     trainer.scheduler.load_state_dict({**saved["scheduler"], "base_lrs": trainer.scheduler.base_lrs})
     return int(saved["step"])
+
+
+class NonFiniteError(RuntimeError):
+    pass
+
+
+class MirrorIncomplete(RuntimeError):
+    """The run finished, but its S3 mirror did not."""
+
+
+RUN_FILES = ("config.yaml", ENV_FILE, "metrics.jsonl", "train.log")
+
+
+class Checkpointer:
+    """RUN/checkpoints of a trainer: `resume` restores the newest readable checkpoint into it, `save`
+    writes one (complete or absent, refused when not finite), prunes beyond `keep_last` and mirrors to
+    S3 (`mirror`, set by build when the run has one); `finish` waits for the mirror."""
+
+    def __init__(self, cfg: TrainConfig, topo, out: Path | None, compiled: bool, cache_dir=None):
+        self.cfg, self.topo, self.out, self.compiled, self.cache_dir = cfg, topo, out, compiled, cache_dir
+        self.mirror = None
+        self.artifacts_loaded = False  # compile artifacts restored from the checkpoint resumed
+
+    def resume(self, trainer) -> None:
+        root = self.out / "checkpoints" if self.out else None
+        ckpt = latest_checkpoint(root) if root else None
+        if ckpt is None:
+            raise ValueError(f"--resume: {self.out}/checkpoints has no complete checkpoint (no LATEST)")
+        older = sorted((p for p in root.glob("step_*") if p.is_dir() and p.name < ckpt.name), reverse=True)
+        for candidate in [ckpt, *older]:  # a checkpoint damaged after it was written: the one before it
+            try:
+                trainer.step = load_trainer_state(candidate, trainer)
+                break
+            except (RuntimeError, EOFError, OSError, KeyError, pickle.UnpicklingError) as e:
+                if self.topo.is_main:
+                    print(f"resume: {candidate / STATE} is unreadable ({type(e).__name__}): trying the one "
+                          "before it", flush=True)  # fmt: skip
+        else:
+            raise ValueError(f"--resume: no checkpoint of {root} could be read")
+        ckpt = candidate
+        if self.topo.is_main:
+            forget_metrics_after(self.out / "metrics.jsonl", trainer.step)
+            forget_log_after(self.out / "train.log", trainer.step)
+        if self.compiled and (ckpt / ARTIFACTS).exists():
+            if self.cfg.trust_compile_cache:
+                self.artifacts_loaded = load_artifacts(ckpt)
+            elif self.topo.is_main:
+                print(
+                    f"resume: {ckpt / ARTIFACTS} is not loaded: compile artifacts are pickles, which run "
+                    "code when loaded (--trust-compile-cache loads them, for a run you trust); compiling "
+                    f"again, with the local cache in {self.cache_dir}",
+                    flush=True,
+                )
+
+    def start(self) -> None:
+        """The main rank, before the first step: no half-written checkpoint left by a kill."""
+        remove_partial_checkpoints(self.out / "checkpoints")
+
+    def save(self, trainer) -> Path | None:
+        """Checkpoint on the main rank (complete or absent); every drafter rank takes part in gathering
+        a sharded drafter's state and waits for the checkpoint.
+
+        Older checkpoints beyond `keep_last` are pruned once this one is complete, and with an S3
+        mirror only once this one's upload is confirmed.
+        """
+        path = None
+        self._refuse_non_finite_state(trainer)
+        weights, optim = full_state(trainer.drafter, trainer.optimizer, keep=self.topo.is_main)
+        if self.topo.is_main:
+            extra = {
+                STATE: trainer_state_writer(trainer, weights, optim),
+                ENV_FILE: lambda p: write_fingerprint(p, trainer.fingerprint_extra()),
+            }
+            if self.compiled:
+                extra[ARTIFACTS] = artifacts_writer()
+            root = self.out / "checkpoints"
+            path = save_checkpoint(trainer.drafter, root, trainer.step, extra, weights)
+            keep = self.cfg.keep_last
+            if self.mirror is not None:
+                prune = (lambda done: prune_checkpoints(root, keep, protect=done)) if keep else None
+                self.mirror.submit_dir(path, f"checkpoints/{path.name}", on_done=prune)
+                self.mirror_run_files()
+            elif keep:
+                prune_checkpoints(root, keep)
+        self.topo.drafter_barrier()
+        return path
+
+    def _refuse_non_finite_state(self, trainer) -> None:
+        """No checkpoint holds a NaN or an infinity, and none such prunes an older one: a weight or an
+        optimizer moment that is not finite (on any drafter rank, in any shard) stops the run here."""
+        local = [p.to_local() if isinstance(p, DTensor) else p for p in trainer.drafter.parameters()]
+        for state in trainer.optimizer.state.values():
+            local += [
+                v.to_local() if isinstance(v, DTensor) else v for v in state.values() if torch.is_tensor(v)
+            ]
+        bad = torch.stack([~torch.isfinite(t.detach()).all() for t in local]).any().float()
+        if float(self.topo.drafter_sum_(bad)) > 0:
+            last = latest_checkpoint(self.out / "checkpoints") if self.out else None
+            raise NonFiniteError(
+                f"step {trainer.step}: the drafter's weights or optimizer state hold NaN or infinity, so "
+                f"no checkpoint is written; the last checkpoint, all finite: {last or 'none'}. Lower "
+                "optim.lr or check the data."
+            )
+
+    def mirror_run_files(self) -> None:
+        for name in RUN_FILES:
+            if (self.out / name).exists():
+                self.mirror.submit_file(self.out / name, name)
+
+    def finish(self) -> None:
+        """Wait at most `s3_wait_s` for the uploads; a mirror that did not complete is an error naming
+        what is missing (the run directory itself is whole)."""
+        if self.mirror is None:
+            return
+        self.mirror_run_files()
+        wait = self.cfg.s3_wait_s
+        finished = self.mirror.close(timeout=wait)
+        missing = list(self.mirror.failed)
+        if not finished:
+            missing.append(f"{self.mirror.pending()} uploads still queued after {wait:g} s (s3_wait_s)")
+        if missing:
+            raise MirrorIncomplete(
+                f"the S3 mirror is not complete; everything is in {self.out}, but: " + "; ".join(missing)
+            )
+
+
+def write_fingerprint(path: Path, extra: dict) -> None:
+    Path(path).write_text(json.dumps(fingerprint(extra=extra), indent=1, sort_keys=True))
+
+
+def forget_metrics_after(path: Path, step: int) -> None:
+    """A resumed run redoes the steps after its checkpoint: drop their old metric lines."""
+    if not path.exists():
+        return
+    kept = [line for line in path.read_text().splitlines(keepends=True) if _metric_step(line) <= step]
+    path.write_text("".join(kept))
+
+
+def forget_log_after(path: Path, step: int) -> None:
+    """train.log's lines of the steps a resumed run redoes ("step N/T ..."), dropped like their metrics."""
+    if not path.exists():
+        return
+    lines = path.read_text().splitlines(keepends=True)
+    kept = [line for line in lines if not ((m := _LOG_STEP.match(line)) and int(m.group(1)) > step)]
+    path.write_text("".join(kept))
+
+
+_LOG_STEP = re.compile(r"step (\d+)/")
+
+
+def _metric_step(line: str) -> int:
+    try:
+        return int(json.loads(line).get("step", 0))
+    except (ValueError, AttributeError):
+        return 1 << 62  # a line torn by a kill is dropped

@@ -13,8 +13,6 @@ import gc
 import importlib.util
 import json
 import math
-import pickle
-import re
 import shutil
 import signal
 import threading
@@ -23,16 +21,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 import yaml
-from torch.distributed.tensor import DTensor
 
 from flashdraft.config import RunConfig, TrainConfig, run_config, save_config
 from flashdraft.data.packing import MicroBatchStream, PackedLoader, load_token_dataset
 from flashdraft.distributed.exchange import MessageShape, RemoteFeatures, serve_features
 from flashdraft.distributed.parallel import (
     clip_grad_norm,
-    full_state,
     gradient_sync,
     parallelize,
     sharding_line,
@@ -41,19 +36,13 @@ from flashdraft.distributed.topology import Topology, init_topology
 from flashdraft.model.checkpoint import (
     drafter_from_state,
     latest_checkpoint,
-    prune_checkpoints,
-    remove_partial_checkpoints,
-    save_checkpoint,
 )
 from flashdraft.model.drafter import DFlashDrafter, drafter_config
 from flashdraft.model.target import Target, choose_packing, decoder_layers, load_target, target_record
-from flashdraft.run.fingerprint import ENV_FILE, fingerprint
+from flashdraft.run.fingerprint import ENV_FILE
 from flashdraft.run.provenance import check_data_fits_target, check_resume_record, run_record
 from flashdraft.train.blocks import default_gamma, row_generators, walk_lengths
 from flashdraft.train.compile import (
-    ARTIFACTS,
-    artifacts_writer,
-    load_artifacts,
     recompiles_are_errors,
     reset_stance,
     use_cache_dir,
@@ -61,7 +50,7 @@ from flashdraft.train.compile import (
 )
 from flashdraft.train.flops import matmul_tflops, micro_batch_flops
 from flashdraft.train.metrics import MetricsLogger
-from flashdraft.train.state import STATE, load_trainer_state, trainer_state_writer
+from flashdraft.train.state import Checkpointer, NonFiniteError, write_fingerprint
 from flashdraft.train.step import acceptance_map, micro_step_loss, plan_micro_batch, target_features
 from flashdraft.train.timing import NULL_TIMER, PhaseTimer
 
@@ -105,14 +94,6 @@ def cosine_lr(step: int, total: int, warmup: int, min_ratio: float) -> float:
         return (step + 1) / warmup
     progress = (step - warmup) / max(1, total - warmup)
     return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
-
-
-class NonFiniteError(RuntimeError):
-    pass
-
-
-class MirrorIncomplete(RuntimeError):
-    """The run finished, but its S3 mirror did not."""
 
 
 class Interrupted(RuntimeError):
@@ -213,37 +194,6 @@ def init_drafter_(drafter: DFlashDrafter, std: float, seed: int) -> None:
                 p.fill_(1.0)
             else:
                 p.copy_(torch.randn(p.shape, generator=g) * std)
-
-
-def forget_metrics_after(path: Path, step: int) -> None:
-    """A resumed run redoes the steps after its checkpoint: drop their old metric lines."""
-    if not path.exists():
-        return
-    kept = [line for line in path.read_text().splitlines(keepends=True) if _metric_step(line) <= step]
-    path.write_text("".join(kept))
-
-
-def forget_log_after(path: Path, step: int) -> None:
-    """train.log's lines of the steps a resumed run redoes ("step N/T ..."), dropped like their metrics."""
-    if not path.exists():
-        return
-    lines = path.read_text().splitlines(keepends=True)
-    kept = [line for line in lines if not ((m := _LOG_STEP.match(line)) and int(m.group(1)) > step)]
-    path.write_text("".join(kept))
-
-
-_LOG_STEP = re.compile(r"step (\d+)/")
-
-
-def _metric_step(line: str) -> int:
-    try:
-        return int(json.loads(line).get("step", 0))
-    except (ValueError, AttributeError):
-        return 1 << 62  # a line torn by a kill is dropped
-
-
-def write_fingerprint(path: Path, extra: dict) -> None:
-    Path(path).write_text(json.dumps(fingerprint(extra=extra), indent=1, sort_keys=True))
 
 
 def build_trainer(
@@ -384,8 +334,8 @@ class Trainer:
         if cfg.compile_target and not self.compiled:
             raise ValueError("compile_target needs compile (on by default on GPU; set compile: true)")
         self.compile_target = self.compiled if cfg.compile_target is None else cfg.compile_target
+        self.cache_dir = use_cache_dir(None, self.device) if self.compiled else None
         if self.compiled:
-            self.cache_dir = use_cache_dir(None, self.device)
             for layer in drafter.layers:
                 layer.compile(dynamic=False)
             if self.compile_target and self.topo.is_target:
@@ -411,53 +361,34 @@ class Trainer:
         self.step = 0
         self.bad_run = torch.zeros((), dtype=torch.long, device=self.device)  # consecutive skipped steps
         self.skipped = torch.zeros((), dtype=torch.long, device=self.device)
-        self.mirror = None
         self.tau_probe = None  # (tokenizer, prompts) on the main rank when eval_every is set
         self.pending: dict = {}  # measured at a step, logged with that step's (or the next) line
         self.val_loader: PackedLoader | None = None  # held-out conversations (cfg.val_data)
         self.last_metrics: dict = {}
-        self.artifacts_loaded = False
+        self.checkpoints = Checkpointer(cfg, self.topo, self.out, self.compiled, self.cache_dir)
         self.remote = None
         if self.topo.layout.is_split and self.topo.is_drafter:
             self.remote = RemoteFeatures(self.topo, self.message_shape(), cfg.grad_accum)
         if resume:
-            self._resume()
+            self.checkpoints.resume(self)
+
+    @property
+    def mirror(self):
+        """The S3 mirror of the run's checkpoints and files, if it has one (Checkpointer.mirror)."""
+        return self.checkpoints.mirror
+
+    @mirror.setter
+    def mirror(self, mirror) -> None:
+        self.checkpoints.mirror = mirror
+
+    def save(self) -> Path | None:
+        """A checkpoint of this step (Checkpointer.save): the main rank's path, None on the others."""
+        return self.checkpoints.save(self)
 
     def message_shape(self) -> MessageShape:
         return MessageShape(
             self.cfg.data.rows_per_batch, self.cfg.data.seq_len, self.feature_dim, self.feature_dtype
         )
-
-    def _resume(self) -> None:
-        root = self.out / "checkpoints" if self.out else None
-        ckpt = latest_checkpoint(root) if root else None
-        if ckpt is None:
-            raise ValueError(f"--resume: {self.out}/checkpoints has no complete checkpoint (no LATEST)")
-        older = sorted((p for p in root.glob("step_*") if p.is_dir() and p.name < ckpt.name), reverse=True)
-        for candidate in [ckpt, *older]:  # a checkpoint damaged after it was written: the one before it
-            try:
-                self.step = load_trainer_state(candidate, self)
-                break
-            except (RuntimeError, EOFError, OSError, KeyError, pickle.UnpicklingError) as e:
-                if self.topo.is_main:
-                    print(f"resume: {candidate / STATE} is unreadable ({type(e).__name__}): trying the one "
-                          "before it", flush=True)  # fmt: skip
-        else:
-            raise ValueError(f"--resume: no checkpoint of {root} could be read")
-        ckpt = candidate
-        if self.topo.is_main:
-            forget_metrics_after(self.out / "metrics.jsonl", self.step)
-            forget_log_after(self.out / "train.log", self.step)
-        if self.compiled and (ckpt / ARTIFACTS).exists():
-            if self.cfg.trust_compile_cache:
-                self.artifacts_loaded = load_artifacts(ckpt)
-            elif self.topo.is_main:
-                print(
-                    f"resume: {ckpt / ARTIFACTS} is not loaded: compile artifacts are pickles, which run "
-                    "code when loaded (--trust-compile-cache loads them, for a run you trust); compiling "
-                    f"again, with the local cache in {self.cache_dir}",
-                    flush=True,
-                )
 
     def micro_indices(self, step: int) -> list[int]:
         """Global micro-batches this drafter rank trains on at `step` (1-based)."""
@@ -495,11 +426,6 @@ class Trainer:
         )
         return mb, ctx_tokens
 
-    def _all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
-        if self.topo.num_drafters > 1:
-            dist.all_reduce(tensor, group=self.topo.drafter_group)
-        return tensor
-
     def train_step(self, timer: PhaseTimer = NULL_TIMER) -> StepStats:
         """One optimizer step over this rank's micro-batches; returns device tensors (no host sync)."""
         cfg = self.cfg
@@ -512,7 +438,7 @@ class Trainer:
         ]
         micro = [mb for mb, _ in planned]
         # the loss is normalised by the weight sum of the whole global step, over every rank
-        weight_sum = self._all_reduce(sum(mb.blocks.weights.sum() for mb in micro)).clamp(min=1e-6)
+        weight_sum = self.topo.drafter_sum_(sum(mb.blocks.weights.sum() for mb in micro)).clamp(min=1e-6)
         scale = self.topo.num_drafters  # DDP and FSDP2 average gradients over drafter ranks
         stats = StepStats.zeros(self.drafter.block_size, self.device)
         stats.ctx_tokens = sum(n for _, n in planned)
@@ -553,7 +479,7 @@ class Trainer:
         if self.compile_report is None:
             out: list[StepStats] = []
             self.compile_report = warm_up(
-                lambda: out.append(self.train_step(timer)), self.cache_dir, self.artifacts_loaded
+                lambda: out.append(self.train_step(timer)), self.cache_dir, self.checkpoints.artifacts_loaded
             )
             print(f"[rank {self.topo.rank}] {self.compile_report.line()}", flush=True)
             return out[0]
@@ -563,7 +489,7 @@ class Trainer:
     def _reduce_stats(self, stats: StepStats) -> None:
         """Sum a step's loss and accuracy counts over drafter ranks (at log steps only)."""
         for t in (stats.loss_sum, stats.correct, stats.counted, stats.accepted, stats.blocks):
-            self._all_reduce(t)
+            self.topo.drafter_sum_(t)
 
     def serve(self) -> None:
         """Target rank of a split layout: compute and send features for every step of the run."""
@@ -591,9 +517,9 @@ class Trainer:
         log = None
         if main:
             self.out.mkdir(parents=True, exist_ok=True)
-            remove_partial_checkpoints(self.out / "checkpoints")
+            self.checkpoints.start()
             save_config(cfg, self.out / "config.yaml", record={**self.meta, "layout": str(self.topo.layout)})
-            write_fingerprint(self.out / ENV_FILE, self._fingerprint_extra())
+            write_fingerprint(self.out / ENV_FILE, self.fingerprint_extra())
             wandb_config = cfg.model_dump(mode="json") if cfg.wandb else None
             log = MetricsLogger(self.out, self.total_steps, start_step=self.step, wandb_config=wandb_config)
             self.peak_tflops = matmul_tflops(self.device)
@@ -605,7 +531,7 @@ class Trainer:
                 step = self.step
                 window.add(stats)
                 if step == 1:
-                    first = float(self._all_reduce(stats.loss_sum.clone()) / stats.weight_sum)
+                    first = float(self.topo.drafter_sum_(stats.loss_sum.clone()) / stats.weight_sum)
                 if self.tau_probe is not None and (step % cfg.eval_every == 0 or step == self.total_steps):
                     self.pending |= self.measure_tau()
                 if self.val_loader is not None and (
@@ -639,8 +565,7 @@ class Trainer:
                 k: v if math.isfinite(v) else None for k, v in (("first_loss", first), ("final_loss", last))
             }
             (self.out / "result.json").write_text(json.dumps({"steps": self.total_steps, **finite}))
-            if self.mirror is not None:
-                self._finish_mirror()
+            self.checkpoints.finish()
         return TrainResult(self.total_steps, last, first, ckpt)
 
     @contextlib.contextmanager
@@ -669,25 +594,11 @@ class Trainer:
         finally:
             signal.signal(signal.SIGINT, previous)
 
-    def _finish_mirror(self) -> None:
-        """Wait at most `s3_wait_s` for the uploads; a mirror that did not complete is an error naming
-        what is missing (the run directory itself is whole)."""
-        self._mirror_run_files()
-        wait = self.cfg.s3_wait_s
-        finished = self.mirror.close(timeout=wait)
-        missing = list(self.mirror.failed)
-        if not finished:
-            missing.append(f"{self.mirror.pending()} uploads still queued after {wait:g} s (s3_wait_s)")
-        if missing:
-            raise MirrorIncomplete(
-                f"the S3 mirror is not complete; everything is in {self.out}, but: " + "; ".join(missing)
-            )
-
     def _metrics(self, stats: StepStats, window: _Window) -> dict:
         """The log line's numbers: the step's loss and accuracy, the window's rates (all ranks)."""
         self._reduce_stats(stats)
         totals = torch.stack([window.positions, window.positions.new_tensor(float(window.tokens))])
-        positions, tokens = self._all_reduce(totals).tolist()
+        positions, tokens = self.topo.drafter_sum_(totals).tolist()
         elapsed = max(time.perf_counter() - window.start, 1e-9)
         micro = self.cfg.grad_accum * self.topo.num_drafters * window.steps
         achieved = self.flops_per_micro * micro / elapsed / 1e12
@@ -719,7 +630,7 @@ class Trainer:
     def _check_finite(self) -> None:
         """Stop after `max_bad_steps` consecutive non-finite steps, saving the last good state (skipped
         steps change neither weights nor optimizer state, so the current state is the last good one)."""
-        run = int(self._all_reduce(self.bad_run.clone()))
+        run = int(self.topo.drafter_sum_(self.bad_run.clone()))
         if run >= self.cfg.max_bad_steps:
             path = self.save()
             raise NonFiniteError(
@@ -762,9 +673,9 @@ class Trainer:
                     )  # fmt: skip
                 walks += walk_lengths(accepted, cpu.loss_mask, cpu.doc_ids)
         self._reduce_stats(stats)
-        stats.weight_sum = self._all_reduce(stats.weight_sum).clamp(min=1e-6)
+        stats.weight_sum = self.topo.drafter_sum_(stats.weight_sum).clamp(min=1e-6)
         taus = torch.tensor([sum(sum(w) / len(w) for w in walks), len(walks)], device=self.device)
-        tau_sum, docs = self._all_reduce(taus).tolist()
+        tau_sum, docs = self.topo.drafter_sum_(taus).tolist()
         m = {f"val_{k}": v for k, v in stats.to_metrics().items()}
         return m | {
             "val_tau_walk": tau_sum / max(docs, 1),
@@ -798,58 +709,6 @@ class Trainer:
         dtype = next(self.target.model.parameters()).dtype
         return drafter_from_state(self.drafter.config, self.drafter.state_dict(), self.device, dtype).eval()
 
-    def _fingerprint_extra(self) -> dict:
+    def fingerprint_extra(self) -> dict:
         keys = ("step", "ctx_tok_s", "draft_pos_s", "loss")
         return {"throughput": {k: self.last_metrics[k] for k in keys if k in self.last_metrics}}
-
-    def save(self) -> Path | None:
-        """Checkpoint on the main rank (complete or absent); every drafter rank takes part in gathering
-        a sharded drafter's state and waits for the checkpoint.
-
-        Older checkpoints beyond `keep_last` are pruned once this one is complete, and with an S3
-        mirror only once this one's upload is confirmed.
-        """
-        path = None
-        self._refuse_non_finite_state()
-        weights, optim = full_state(self.drafter, self.optimizer, keep=self.topo.is_main)
-        if self.topo.is_main:
-            extra = {
-                "trainer_state.pt": trainer_state_writer(self, weights, optim),
-                ENV_FILE: lambda p: write_fingerprint(p, self._fingerprint_extra()),
-            }
-            if self.compiled:
-                extra[ARTIFACTS] = artifacts_writer()
-            root = self.out / "checkpoints"
-            path = save_checkpoint(self.drafter, root, self.step, extra, weights)
-            keep = self.cfg.keep_last
-            if self.mirror is not None:
-                prune = (lambda done: prune_checkpoints(root, keep, protect=done)) if keep else None
-                self.mirror.submit_dir(path, f"checkpoints/{path.name}", on_done=prune)
-                self._mirror_run_files()
-            elif keep:
-                prune_checkpoints(root, keep)
-        if self.topo.num_drafters > 1:
-            dist.barrier(group=self.topo.drafter_group)
-        return path
-
-    def _refuse_non_finite_state(self) -> None:
-        """No checkpoint holds a NaN or an infinity, and none such prunes an older one: a weight or an
-        optimizer moment that is not finite (on any drafter rank, in any shard) stops the run here."""
-        local = [p.to_local() if isinstance(p, DTensor) else p for p in self.drafter.parameters()]
-        for state in self.optimizer.state.values():
-            local += [
-                v.to_local() if isinstance(v, DTensor) else v for v in state.values() if torch.is_tensor(v)
-            ]
-        bad = torch.stack([~torch.isfinite(t.detach()).all() for t in local]).any().float()
-        if float(self._all_reduce(bad)) > 0:
-            last = latest_checkpoint(self.out / "checkpoints") if self.out else None
-            raise NonFiniteError(
-                f"step {self.step}: the drafter's weights or optimizer state hold NaN or infinity, so no "
-                f"checkpoint is written; the last checkpoint, all finite: {last or 'none'}. Lower optim.lr "
-                "or check the data."
-            )
-
-    def _mirror_run_files(self) -> None:
-        for name in ("config.yaml", ENV_FILE, "metrics.jsonl", "train.log"):
-            if (self.out / name).exists():
-                self.mirror.submit_file(self.out / name, name)
