@@ -6,7 +6,7 @@ import torch
 from flashdraft.model.drafter import Visibility, drafter_config
 from flashdraft.model.target import Target
 from flashdraft.train.blocks import Anchors, make_blocks
-from flashdraft.train.step import plan_micro_batch, target_features, visibility_for
+from flashdraft.train.step import Kernels, plan_micro_batch, target_features, visibility_for
 from helpers import BLOCK, GAMMA, MASK_ID, packed_batch, target_and_drafter, tiny_target
 
 # the flex path runs uncompiled here on purpose: these tests check what it computes against the
@@ -100,8 +100,8 @@ def test_acceptance_at_every_anchor_is_the_same_on_the_flex_path_with_padded_pas
     assert fits_structured(128, n, BLOCK) and not passes[-1].valid[0].any() and passes[-1].valid[1].any()
     feats = target_features(target, batch)
     with torch.no_grad():
-        dense = acceptance_map(drafter, target, batch, feats, n, GAMMA, "dense")
-        flex = acceptance_map(drafter, target, batch, feats, n, GAMMA, "flex")
+        dense = acceptance_map(drafter, target, batch, feats, n, GAMMA, Kernels("dense"))
+        flex = acceptance_map(drafter, target, batch, feats, n, GAMMA, Kernels("flex"))
     assert torch.equal(flex, dense) and (dense > 0).sum() > 100
 
 

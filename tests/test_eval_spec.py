@@ -29,7 +29,7 @@ from flashdraft.model.checkpoint import write_zlab
 from flashdraft.model.drafter import DFlashDrafter, drafter_config
 from flashdraft.model.target import Target
 from flashdraft.train.blocks import walk_lengths
-from flashdraft.train.step import acceptance_map, micro_step_loss, plan_micro_batch, target_features
+from flashdraft.train.step import Kernels, acceptance_map, micro_step_loss, plan_micro_batch, target_features
 from flashdraft.train.trainer import init_drafter_
 from helpers import BLOCK, GAMMA, VOCAB, tiny_drafter, tiny_target
 
@@ -65,7 +65,7 @@ def train_on_continuations(drafter: DFlashDrafter, target: Target, prompts: list
     drafter.train()
     for _ in range(steps):
         mb = plan_micro_batch(batch, 24, drafter.block_size, drafter.mask_token_id, GAMMA, anchors)
-        out = micro_step_loss(drafter, target, mb, "dense")
+        out = micro_step_loss(drafter, target, mb, Kernels("dense"))
         (out.weighted_ce / mb.blocks.weights.sum()).backward()
         opt.step()
         opt.zero_grad()
@@ -103,7 +103,7 @@ def test_training_blocks_at_the_cycles_of_decoding_accept_what_decoding_accepted
         batch = collate_rows([[doc]], len(doc["input_ids"]), pad_token_id=0)
         with torch.no_grad():
             accepted = acceptance_map(
-                s.trained, s.target, batch, target_features(s.target, batch), 8, GAMMA, "dense"
+                s.trained, s.target, batch, target_features(s.target, batch), 8, GAMMA, Kernels("dense")
             )
         [walk] = walk_lengths(accepted, batch.loss_mask, batch.doc_ids)
         # the walk stops where a whole block no longer fits, where decoding shrinks its blocks; decoding's

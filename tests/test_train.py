@@ -12,7 +12,7 @@ from flashdraft.cli.main import app
 from flashdraft.data.packing import save_token_dataset
 from flashdraft.model.checkpoint import latest_checkpoint, load_drafter, save_checkpoint
 from flashdraft.model.drafter import Visibility
-from flashdraft.train.step import micro_step_loss, plan_micro_batch
+from flashdraft.train.step import Kernels, micro_step_loss, plan_micro_batch
 from flashdraft.train.trainer import cosine_lr, resolve_attention, resolve_mask_token_id
 from helpers import BLOCK, GAMMA, MASK_ID, packed_batch, random_docs, target_and_drafter
 
@@ -30,7 +30,7 @@ def test_training_on_a_fixed_batch_halves_the_loss():
     opt = torch.optim.AdamW(drafter.parameters(), lr=1e-2)
     losses = []
     for _ in range(40):
-        out = micro_step_loss(drafter, target, mb, "dense")
+        out = micro_step_loss(drafter, target, mb, Kernels("dense"))
         loss = out.weighted_ce / mb.blocks.weights.sum()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
@@ -44,7 +44,7 @@ def test_target_gets_no_gradient_and_drafter_does():
     target, drafter = target_and_drafter()
     batch = packed_batch([[64]], seq_len=64)
     mb = plan_micro_batch(batch, 4, BLOCK, MASK_ID, GAMMA, torch.Generator().manual_seed(0))
-    micro_step_loss(drafter, target, mb, "dense").weighted_ce.backward()
+    micro_step_loss(drafter, target, mb, Kernels("dense")).weighted_ce.backward()
     assert all(p.grad is None for p in target.model.parameters())
     assert all(p.grad is not None for p in drafter.parameters())
 

@@ -54,7 +54,7 @@ def trainer_state_writer(trainer, weights: dict, optimizer: dict):
     def write(path: Path) -> None:
         state = {
             "step": trainer.step,
-            "micro_per_step": trainer.cfg.grad_accum * trainer.topo.num_drafters,
+            "micro_per_step": trainer.spec.micro_per_step,
             "master": {k: v.detach().cpu() for k, v in weights.items()},
             "optimizer": optimizer,
             "scheduler": trainer.scheduler.state_dict(),
@@ -93,7 +93,7 @@ def load_trainer_state(ckpt: Path, trainer) -> int:
     if not path.exists():
         raise ValueError(f"cannot resume from {ckpt}: no {STATE} (an export, not a training checkpoint?)")
     saved = torch.load(path, map_location="cpu", weights_only=True)
-    check_resumable(saved, trainer.cfg, trainer.cfg.grad_accum * trainer.topo.num_drafters, ckpt)
+    check_resumable(saved, trainer.cfg, trainer.spec.micro_per_step, ckpt)
     load_full_state(trainer.drafter, trainer.optimizer, saved["master"], saved["optimizer"])
     for group in trainer.optimizer.param_groups:  # a changed learning rate applies from here on
         group["initial_lr"] = trainer.cfg.optim.lr

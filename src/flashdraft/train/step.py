@@ -16,10 +16,49 @@ from flashdraft.train.blocks import (
     every_anchor,
     flex_block_mask,
     make_blocks,
+    row_generators,
     sample_anchors,
 )
 from flashdraft.train.loss import BlockLoss, block_loss
 from flashdraft.train.timing import NULL_TIMER, PhaseTimer
+
+
+@dataclass(frozen=True)
+class Kernels:
+    """Which kernels a forward runs, resolved once per run from the config and the device."""
+
+    attention: str = "flex"  # flex (GPU) or dense (the SDPA reference; the CPU)
+    compiled: bool = False  # the drafter's layers and the block mask compiled
+    recompute_logits: bool = True  # the loss recomputes the lm_head logits in backward
+
+
+@dataclass(frozen=True)
+class StepSpec:
+    """How every micro-batch of a run is made and computed: resolved once (config, device, drafter,
+    world) and passed whole, instead of its fields one by one."""
+
+    kernels: Kernels
+    num_anchors: int
+    block_size: int
+    mask_token_id: int
+    gamma: float
+    anchors_per_document: int | None
+    seed: int
+    grad_accum: int
+    num_drafters: int
+
+    @property
+    def micro_per_step(self) -> int:
+        """Micro-batches of one optimizer step over every drafter rank."""
+        return self.grad_accum * self.num_drafters
+
+    def plan(self, batch: PackedBatch, m: int, features: torch.Tensor | None = None) -> MicroBatch:
+        """Global micro-batch m: its anchors (a pure function of the seed and m) and blocks."""
+        rows = row_generators(self.seed, m, batch.input_ids.shape[0])
+        return plan_micro_batch(
+            batch, self.num_anchors, self.block_size, self.mask_token_id, self.gamma, rows, features,
+            self.anchors_per_document,
+        )  # fmt: skip
 
 
 @dataclass
@@ -65,9 +104,7 @@ def acceptance_map(
     features: torch.Tensor,
     num_anchors: int,
     gamma: float,
-    attention: str = "flex",
-    compiled: bool = False,
-    recompute_logits: bool = True,
+    kernels: Kernels = Kernels(),
     on_pass=None,
 ) -> torch.Tensor:
     """[b, S]: the acceptance length of a block anchored at every anchor candidate (0 elsewhere), in
@@ -76,7 +113,7 @@ def acceptance_map(
     accepted = torch.zeros(b, s, device=batch.input_ids.device)
     for anchors in every_anchor(batch.loss_mask, batch.doc_ids, drafter.block_size, num_anchors):
         mb = micro_batch_at(batch, anchors, drafter.block_size, drafter.mask_token_id, gamma, features)
-        out = micro_step_loss(drafter, target, mb, attention, compiled, recompute_logits=recompute_logits)
+        out = micro_step_loss(drafter, target, mb, kernels)
         # padding anchors sit at index 0 with length 0: adding them changes nothing
         accepted.scatter_add_(1, anchors.index, out.per_block.view(b, -1) * anchors.valid)
         if on_pass is not None:
@@ -102,10 +139,8 @@ def micro_step_loss(
     drafter: DFlashDrafter,
     target: Target,
     mb: MicroBatch,
-    attention: str = "flex",
-    compiled: bool = False,
+    kernels: Kernels = Kernels(),
     timer: PhaseTimer = NULL_TIMER,
-    recompute_logits: bool = True,
 ) -> BlockLoss:
     """Forward of one micro-batch; the caller normalises `weighted_ce` by the step's weight sum.
 
@@ -118,12 +153,16 @@ def micro_step_loss(
         with timer("target_forward"):
             feats = target_features(target, mb.batch)
     with timer("block_mask"):
-        vis = visibility_for(mb, mb.blocks.labels.shape[-1], attention, compiled)
+        vis = visibility_for(mb, mb.blocks.labels.shape[-1], kernels.attention, kernels.compiled)
     with timer("drafter_forward"):
         with torch.no_grad():  # the block's input: the target's (frozen) token embeddings
             block_embeds = target.embed(mb.blocks.input_ids).to(feats.dtype)
         hidden = drafter(block_embeds, mb.blocks.positions, None, vis, feats, mb.batch.position_ids)
     with timer("loss_forward"):
         return block_loss(
-            hidden, target.lm_head.weight, mb.blocks.labels, mb.blocks.weights, recompute=recompute_logits
+            hidden,
+            target.lm_head.weight,
+            mb.blocks.labels,
+            mb.blocks.weights,
+            recompute=kernels.recompute_logits,
         )

@@ -41,7 +41,7 @@ from flashdraft.model.drafter import DFlashDrafter, drafter_config
 from flashdraft.model.target import Target, choose_packing, decoder_layers, load_target, target_record
 from flashdraft.run.fingerprint import ENV_FILE
 from flashdraft.run.provenance import check_data_fits_target, check_resume_record, run_record
-from flashdraft.train.blocks import default_gamma, row_generators, walk_lengths
+from flashdraft.train.blocks import default_gamma, walk_lengths
 from flashdraft.train.compile import (
     recompiles_are_errors,
     reset_stance,
@@ -51,7 +51,7 @@ from flashdraft.train.compile import (
 from flashdraft.train.flops import matmul_tflops, micro_batch_flops
 from flashdraft.train.metrics import MetricsLogger
 from flashdraft.train.state import Checkpointer, NonFiniteError, write_fingerprint
-from flashdraft.train.step import acceptance_map, micro_step_loss, plan_micro_batch, target_features
+from flashdraft.train.step import Kernels, StepSpec, acceptance_map, micro_step_loss, target_features
 from flashdraft.train.timing import NULL_TIMER, PhaseTimer
 
 
@@ -327,9 +327,19 @@ class Trainer:
         self.total_steps = total_steps
         self.out = Path(out_dir) if out_dir else None
         self.meta = meta or {}
-        self.gamma = cfg.gamma or default_gamma(cfg.drafter.block_size)
         self.compiled = cfg.compile if cfg.compile is not None else self.device.type == "cuda"
         self.attention = resolve_attention(cfg.attention, self.device, drafter.config.head_dim)
+        self.spec = StepSpec(
+            Kernels(self.attention, self.compiled, cfg.recompute_logits),
+            cfg.num_anchors,
+            drafter.block_size,
+            drafter.mask_token_id,
+            cfg.gamma or default_gamma(cfg.drafter.block_size),
+            cfg.anchors_per_document,
+            cfg.seed,
+            cfg.grad_accum,
+            self.topo.num_drafters,
+        )
         self.compile_report = None
         if cfg.compile_target and not self.compiled:
             raise ValueError("compile_target needs compile (on by default on GPU; set compile: true)")
@@ -392,8 +402,7 @@ class Trainer:
 
     def micro_indices(self, step: int) -> list[int]:
         """Global micro-batches this drafter rank trains on at `step` (1-based)."""
-        per_step = self.cfg.grad_accum * self.topo.num_drafters
-        base = (step - 1) * per_step
+        base = (step - 1) * self.spec.micro_per_step
         return [
             base + g * self.topo.num_drafters + self.topo.drafter_rank for g in range(self.cfg.grad_accum)
         ]
@@ -414,17 +423,7 @@ class Trainer:
                 batch = cpu.to(self.device)
             with timer("target_forward"):
                 feats = target_features(self.target, batch, cpu.plain_causal)
-        mb = plan_micro_batch(
-            batch,
-            self.cfg.num_anchors,
-            self.drafter.block_size,
-            self.drafter.mask_token_id,
-            self.gamma,
-            row_generators(self.cfg.seed, m, batch.input_ids.shape[0]),
-            features=feats,
-            per_document=self.cfg.anchors_per_document,
-        )
-        return mb, ctx_tokens
+        return self.spec.plan(batch, m, feats), ctx_tokens
 
     def train_step(self, timer: PhaseTimer = NULL_TIMER) -> StepStats:
         """One optimizer step over this rank's micro-batches; returns device tensors (no host sync)."""
@@ -445,15 +444,7 @@ class Trainer:
         for i, mb in enumerate(micro):
             with gradient_sync(self.model, enabled=i == len(micro) - 1):
                 with self._autocast():
-                    out = micro_step_loss(
-                        self.model,
-                        self.target,
-                        mb,
-                        self.attention,
-                        self.compiled,
-                        timer,
-                        cfg.recompute_logits,
-                    )
+                    out = micro_step_loss(self.model, self.target, mb, self.spec.kernels, timer)
                 with timer("backward"):
                     (out.weighted_ce * scale / weight_sum).backward()
             stats.add(out, mb)
@@ -493,7 +484,7 @@ class Trainer:
 
     def serve(self) -> None:
         """Target rank of a split layout: compute and send features for every step of the run."""
-        per_step = self.cfg.grad_accum * self.topo.num_drafters
+        per_step = self.spec.micro_per_step
         start = self.step * per_step
         feats = lambda batch, plain: target_features(self.target, batch, plain)  # noqa: E731
         serve_features(
@@ -600,7 +591,7 @@ class Trainer:
         totals = torch.stack([window.positions, window.positions.new_tensor(float(window.tokens))])
         positions, tokens = self.topo.drafter_sum_(totals).tolist()
         elapsed = max(time.perf_counter() - window.start, 1e-9)
-        micro = self.cfg.grad_accum * self.topo.num_drafters * window.steps
+        micro = self.spec.micro_per_step * window.steps
         achieved = self.flops_per_micro * micro / elapsed / 1e12
         m = stats.to_metrics()
         m.update(
@@ -668,8 +659,8 @@ class Trainer:
                 feats = target_features(self.target, batch, cpu.plain_causal)
                 with self._autocast():
                     accepted = acceptance_map(
-                        self.drafter, self.target, batch, feats, cfg.num_anchors, self.gamma,
-                        self.attention, self.compiled, cfg.recompute_logits, on_pass=add,
+                        self.drafter, self.target, batch, feats, cfg.num_anchors, self.spec.gamma,
+                        self.spec.kernels, on_pass=add,
                     )  # fmt: skip
                 walks += walk_lengths(accepted, cpu.loss_mask, cpu.doc_ids)
         self._reduce_stats(stats)
