@@ -204,8 +204,8 @@ def reference_tau(
     import dflash.model
     from dflash.model import DFlashDraftModel, dflash_generate
 
-    from flashdraft.eval.spec import mean_tau, stop_token_ids
-    from flashdraft.model.target import load_target
+    from flashdraft.eval.spec import mean_tau
+    from flashdraft.model.target import load_target, stop_token_ids
 
     if torch.device(device).type == "cpu":  # its stats timer calls torch.cuda.synchronize()
         dflash.model._cuda_time = time.perf_counter

@@ -224,16 +224,15 @@ def synthesize(
     """User turns written by the target from its chat template's user header (Magpie), for a user with no
     dataset: deduplicated, drops kept with their reason, resumable (rerun the same command). The output
     feeds `data regenerate` (which answers each turn) and `data prepare` as it is."""
-    import torch
 
     from flashdraft.data.progress import progress_bar
     from flashdraft.data.synthesize import SynthesisOptions
     from flashdraft.data.synthesize import synthesize as run
-    from flashdraft.model.target import load_target
+    from flashdraft.model.target import default_device, load_target
 
     options = SynthesisOptions(count, temperature, top_p, max_tokens, batch_size, seed, max_samples, system)
     try:
-        model, tokenizer = load_target(target, device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        model, tokenizer = load_target(target, default_device(device))
         tokenizer.chat_template = _read_template(chat_template) or tokenizer.chat_template
         if not tokenizer.chat_template:
             raise ValueError(

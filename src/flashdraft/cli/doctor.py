@@ -106,11 +106,11 @@ def _show_throughput(throughput: dict | None) -> str:
 
 
 def health_checks() -> list[Check]:
-    import torch
 
+    from flashdraft.model.target import default_device
     from flashdraft.run.fingerprint import default_compile_cache_dir
 
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = default_device()
     return [check_gpu(), check_cache_writable(default_compile_cache_dir()), check_flex_attention(device)]
 
 

@@ -34,6 +34,7 @@ from flashdraft.data.formats import (
 )
 from flashdraft.data.progress import progress_bar
 from flashdraft.model.grouped_attention import use_grouped_attention
+from flashdraft.model.target import default_device, stop_token_ids
 
 _RETRY_STATUS = {408, 409, 425, 429, 500, 502, 503, 504}
 _MAX_BACKOFF_S = 60.0
@@ -278,7 +279,6 @@ class LocalBackend:
     ) -> LocalBackend:
         """Load a local HF directory, a hub id or a .gguf file (dtype as saved; CUDA when visible unless
         `device` says)."""
-        import torch
         from transformers import AutoModelForCausalLM
 
         from flashdraft.model.target import load_tokenizer, target_source
@@ -289,7 +289,7 @@ class LocalBackend:
             raise ValueError(
                 f"{target}: the tokenizer has no chat template; supply one (--chat-template FILE)"
             )
-        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        device = default_device(device)
         source, load_kwargs = target_source(target)
         model = AutoModelForCausalLM.from_pretrained(source, dtype="auto", **load_kwargs).to(device)
         return cls(model, tokenizer, **kwargs)
@@ -418,10 +418,7 @@ def _assistant_turns(messages: list[dict]) -> list[int]:
 
 
 def _stop_ids(model, tokenizer) -> set[int]:
-    eos = model.generation_config.eos_token_id
-    ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-    if tokenizer.eos_token_id is not None:
-        ids.add(tokenizer.eos_token_id)
+    ids = set(stop_token_ids(model, tokenizer))
     if not ids:
         raise ValueError("the target defines no end-of-sequence token to stop generation at")
     return ids

@@ -136,9 +136,7 @@ def init_topology(
     rank = int(os.environ.get("RANK", "0"))
     local = int(os.environ.get("LOCAL_RANK", "0"))
     lay = Layout.parse(layout).on(world)
-    if device is None:
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    dev = torch.device(device)
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if dev.type == "cuda":
         dev = torch.device("cuda", 0)
         torch.cuda.set_device(dev)

@@ -25,8 +25,8 @@ from flashdraft.eval.spec import (
     encode_prompt,
     mean_tau,
     run_methods,
-    stop_token_ids,
 )
+from flashdraft.model.target import default_device, stop_token_ids
 
 TAU_DEFINITION = (
     "acceptance length = tokens a verify cycle commits (accepted drafts + 1 bonus token, cut at a stop "
@@ -226,12 +226,11 @@ def compare_methods(
     """Load the target (HF directory or hub id) and the drafter checkpoint, decode every conversation with
     plain decoding, DFlash and prompt lookup, and return the report (`build_report`). cuda_graphs: see
     `run_methods`; attention: the target's (`flashdraft.model.target.load_target`)."""
-    import torch
 
     from flashdraft.model.checkpoint import load_drafter
     from flashdraft.model.target import load_target
 
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = default_device(device)
     model, tokenizer = load_target(target, device, attention=attention)
     draft = load_drafter(drafter, device, dtype=model.dtype).eval()
     spec_target = decoding_target(model, draft)

@@ -40,7 +40,7 @@ from transformers import DynamicCache, PreTrainedModel
 from flashdraft.eval.ngram import NgramProposer
 from flashdraft.eval.static import Graphs, StaticDFlashProposer, StaticTarget, draft_block
 from flashdraft.model.drafter import DFlashDrafter, Visibility
-from flashdraft.model.target import Target
+from flashdraft.model.target import Target, stop_token_ids
 
 
 class Proposer(Protocol):
@@ -278,16 +278,6 @@ def encode_prompt(tokenizer, messages: list[dict], thinking: bool = False) -> li
         messages, tokenize=False, add_generation_prompt=True, enable_thinking=thinking
     )
     return tokenizer(text, add_special_tokens=False).input_ids
-
-
-def stop_token_ids(model: PreTrainedModel, tokenizer=None) -> list[int]:
-    """The target's end-of-sequence ids (generation config first, then the tokenizer's)."""
-    eos = getattr(model.generation_config, "eos_token_id", None)
-    if eos is None and tokenizer is not None:
-        eos = tokenizer.eos_token_id
-    if eos is None:
-        return []
-    return [eos] if isinstance(eos, int) else list(eos)
 
 
 # ---- entry points --------------------------------------------------------------------------------

@@ -298,6 +298,21 @@ def load_tokenizer(path_or_id: str | Path):
     return AutoTokenizer.from_pretrained(source, **kwargs)
 
 
+def default_device(device: str | None = None) -> str:
+    """`device` when given, else cuda when a GPU is visible, else cpu: every command's default."""
+    return device or ("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def stop_token_ids(model: PreTrainedModel, tokenizer=None) -> list[int]:
+    """The ids generation stops at: the generation config's end-of-sequence ids and the tokenizer's
+    (regeneration, eval and the reference package all stop at these)."""
+    eos = getattr(model.generation_config, "eos_token_id", None)
+    ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return sorted(ids)
+
+
 def load_target(
     path_or_id: str | Path,
     device: str | torch.device = "cpu",

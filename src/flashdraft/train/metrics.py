@@ -7,7 +7,10 @@ from __future__ import annotations
 import json
 import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
+
+import torch
 
 
 class MetricsLogger:
@@ -83,3 +86,56 @@ def _start_wandb(run_dir: Path, config: dict):
         config=config,
         mode=os.environ.get("WANDB_MODE", "offline"),
     )
+
+
+class Window:
+    """What the steps since the last log line add up to (kept on the device until then)."""
+
+    def __init__(self, device, wait_s: float = 0.0):
+        self.tokens, self.steps, self.wait_s = 0, 0, wait_s
+        self.positions = torch.zeros((), device=device)
+        self.start = time.perf_counter()
+
+    def add(self, stats) -> None:
+        self.tokens += stats.ctx_tokens
+        self.positions += stats.draft_positions
+        self.steps += 1
+
+
+@dataclass
+class StepStats:
+    """What one step measured, kept on the device until a log step reads it."""
+
+    loss_sum: torch.Tensor
+    correct: torch.Tensor
+    counted: torch.Tensor
+    draft_positions: torch.Tensor
+    accepted: torch.Tensor
+    blocks: torch.Tensor
+    weight_sum: torch.Tensor | None = None
+    grad_norm: torch.Tensor | None = None
+    ctx_tokens: int | torch.Tensor = 0  # a device tensor when the batch arrived from a target rank
+
+    @classmethod
+    def zeros(cls, block_size: int, device) -> StepStats:
+        z = torch.zeros((), device=device)
+        slots = torch.zeros(block_size, device=device)
+        return cls(z.clone(), slots, slots.clone(), z.clone(), z.clone(), z.clone())
+
+    def add(self, out, mb) -> None:
+        self.loss_sum += out.weighted_ce.detach()
+        self.correct += out.correct
+        self.counted += out.counted
+        self.accepted += out.accepted
+        self.blocks += out.blocks
+        self.draft_positions += (mb.blocks.weights > 0).sum()
+
+    def to_metrics(self) -> dict:
+        acc = (self.correct / self.counted.clamp(min=1))[1:]
+        return {
+            "loss": float(self.loss_sum / self.weight_sum),
+            "acc_slot1": float(acc[0]),
+            "acc_mean": float(self.correct[1:].sum() / self.counted[1:].sum().clamp(min=1)),
+            "acc_per_slot": [round(float(a), 4) for a in acc],
+            "tau_train": float(self.accepted / self.blocks.clamp(min=1)),
+        } | ({"grad_norm": float(self.grad_norm)} if self.grad_norm is not None else {})

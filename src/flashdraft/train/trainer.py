@@ -1,9 +1,12 @@
 """Online training: the frozen target computes features every step, the drafter learns.
 
-Reads top to bottom: build (topology, target, drafter, optimizer, data) -> loop of steps ->
-checkpoint. The same loop runs on one CPU, one GPU, or many ranks: the Topology says which
-micro-batches this rank trains on, and whether its features come from its own target
-(colocated) or from a target rank (split).
+Reads top to bottom: `build(config)` (topology, target, data, drafter) -> `Trainer` (optimizer,
+schedule, and its parts) -> `train_step` -> `run` (the loop: steps, probes, log lines, checkpoints).
+The parts, one job each: `features` (train/features.py: this rank's target, or a target rank's
+messages), `spec` (train/step.py: how a micro-batch is made and computed, resolved once),
+`checkpoints` (train/state.py: resume, save, prune, mirror), the probes (train/probes.py: validation
+and tau), the metrics (train/metrics.py). The same loop runs on one CPU, one GPU or many ranks: the
+Topology says which micro-batches this rank trains on and owns every collective.
 """
 
 from __future__ import annotations
@@ -34,24 +37,25 @@ from flashdraft.distributed.parallel import (
 )
 from flashdraft.distributed.topology import Topology, init_topology
 from flashdraft.model.checkpoint import (
-    drafter_from_state,
     latest_checkpoint,
 )
 from flashdraft.model.drafter import DFlashDrafter, drafter_config
 from flashdraft.model.target import Target, choose_packing, decoder_layers, load_target, target_record
 from flashdraft.run.fingerprint import ENV_FILE
 from flashdraft.run.provenance import check_data_fits_target, check_resume_record, run_record
-from flashdraft.train.blocks import default_gamma, walk_lengths
+from flashdraft.train.blocks import default_gamma
 from flashdraft.train.compile import (
     recompiles_are_errors,
     reset_stance,
     use_cache_dir,
     warm_up,
 )
+from flashdraft.train.features import LocalFeatures, ReceivedFeatures
 from flashdraft.train.flops import matmul_tflops, micro_batch_flops
-from flashdraft.train.metrics import MetricsLogger
+from flashdraft.train.metrics import MetricsLogger, StepStats, Window
+from flashdraft.train.probes import measure_tau, validate
 from flashdraft.train.state import Checkpointer, NonFiniteError, write_fingerprint
-from flashdraft.train.step import Kernels, StepSpec, acceptance_map, micro_step_loss, target_features
+from flashdraft.train.step import Kernels, StepSpec, micro_step_loss, target_features
 from flashdraft.train.timing import NULL_TIMER, PhaseTimer
 
 
@@ -98,59 +102,6 @@ def cosine_lr(step: int, total: int, warmup: int, min_ratio: float) -> float:
 
 class Interrupted(RuntimeError):
     """Ctrl-C: the run stopped after a whole step, saved; the message names the checkpoint."""
-
-
-class _Window:
-    """What the steps since the last log line add up to (kept on the device until then)."""
-
-    def __init__(self, device, wait_s: float = 0.0):
-        self.tokens, self.steps, self.wait_s = 0, 0, wait_s
-        self.positions = torch.zeros((), device=device)
-        self.start = time.perf_counter()
-
-    def add(self, stats) -> None:
-        self.tokens += stats.ctx_tokens
-        self.positions += stats.draft_positions
-        self.steps += 1
-
-
-@dataclass
-class StepStats:
-    """What one step measured, kept on the device until a log step reads it."""
-
-    loss_sum: torch.Tensor
-    correct: torch.Tensor
-    counted: torch.Tensor
-    draft_positions: torch.Tensor
-    accepted: torch.Tensor
-    blocks: torch.Tensor
-    weight_sum: torch.Tensor | None = None
-    grad_norm: torch.Tensor | None = None
-    ctx_tokens: int | torch.Tensor = 0  # a device tensor when the batch arrived from a target rank
-
-    @classmethod
-    def zeros(cls, block_size: int, device) -> StepStats:
-        z = torch.zeros((), device=device)
-        slots = torch.zeros(block_size, device=device)
-        return cls(z.clone(), slots, slots.clone(), z.clone(), z.clone(), z.clone())
-
-    def add(self, out, mb) -> None:
-        self.loss_sum += out.weighted_ce.detach()
-        self.correct += out.correct
-        self.counted += out.counted
-        self.accepted += out.accepted
-        self.blocks += out.blocks
-        self.draft_positions += (mb.blocks.weights > 0).sum()
-
-    def to_metrics(self) -> dict:
-        acc = (self.correct / self.counted.clamp(min=1))[1:]
-        return {
-            "loss": float(self.loss_sum / self.weight_sum),
-            "acc_slot1": float(acc[0]),
-            "acc_mean": float(self.correct[1:].sum() / self.counted[1:].sum().clamp(min=1)),
-            "acc_per_slot": [round(float(a), 4) for a in acc],
-            "tau_train": float(self.accepted / self.blocks.clamp(min=1)),
-        } | ({"grad_norm": float(self.grad_norm)} if self.grad_norm is not None else {})
 
 
 @dataclass
@@ -376,9 +327,10 @@ class Trainer:
         self.val_loader: PackedLoader | None = None  # held-out conversations (cfg.val_data)
         self.last_metrics: dict = {}
         self.checkpoints = Checkpointer(cfg, self.topo, self.out, self.compiled, self.cache_dir)
-        self.remote = None
+        self.remote = None  # a drafter rank of a split layout: the features it receives
         if self.topo.layout.is_split and self.topo.is_drafter:
             self.remote = RemoteFeatures(self.topo, self.message_shape(), cfg.grad_accum)
+        self.features = ReceivedFeatures(self.remote) if self.remote else LocalFeatures(self)
         if resume:
             self.checkpoints.resume(self)
 
@@ -412,17 +364,7 @@ class Trainer:
         return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=enabled)
 
     def _micro_batch(self, m: int, next_m: int | None, timer: PhaseTimer):
-        if self.remote is not None:
-            with timer("receive"):
-                batch, feats = self.remote.get(m, next_m)
-            ctx_tokens = (batch.doc_ids >= 0).sum()  # stays on the device: no sync in the step
-        else:
-            with timer("data"):
-                cpu = self.stream[m]
-                ctx_tokens = cpu.num_tokens
-                batch = cpu.to(self.device)
-            with timer("target_forward"):
-                feats = target_features(self.target, batch, cpu.plain_causal)
+        batch, feats, ctx_tokens = self.features.get(m, next_m, timer)
         return self.spec.plan(batch, m, feats), ctx_tokens
 
     def train_step(self, timer: PhaseTimer = NULL_TIMER) -> StepStats:
@@ -515,7 +457,7 @@ class Trainer:
             log = MetricsLogger(self.out, self.total_steps, start_step=self.step, wandb_config=wandb_config)
             self.peak_tflops = matmul_tflops(self.device)
         first = last = float("nan")
-        window = _Window(self.device)
+        window = Window(self.device)
         with self._stop_on_interrupt() as interrupted:
             while self.step < self.total_steps:
                 stats = self.train_step_guarded()
@@ -536,7 +478,7 @@ class Trainer:
                         log.log(m)
                         if progress is not None:
                             progress(step, self.total_steps, m["loss"])
-                    window = _Window(self.device, self.remote.wait_s if self.remote else 0.0)
+                    window = Window(self.device, self.remote.wait_s if self.remote else 0.0)
                 saving = cfg.save_every and step % cfg.save_every == 0 and step != self.total_steps
                 if saving or step % cfg.log_every == 0 or interrupted():
                     self._check_finite()
@@ -585,7 +527,7 @@ class Trainer:
         finally:
             signal.signal(signal.SIGINT, previous)
 
-    def _metrics(self, stats: StepStats, window: _Window) -> dict:
+    def _metrics(self, stats: StepStats, window: Window) -> dict:
         """The log line's numbers: the step's loss and accuracy, the window's rates (all ranks)."""
         self._reduce_stats(stats)
         totals = torch.stack([window.positions, window.positions.new_tensor(float(window.tokens))])
@@ -631,74 +573,12 @@ class Trainer:
             )
 
     def validate(self) -> dict:
-        """The training metrics on held-out conversations, with `val_` names, and the served tau read
-        off them: the first `val_batches` micro-batches of val_data, split over the drafter ranks, with
-        a block at every anchor candidate (in passes of num_anchors per row).
-
-        tau_train over all anchors counts easy and hard spots alike; decoding revisits the hard ones, so
-        `val_tau_walk` walks each answer from its first token as decoding would (`walk_lengths`): the
-        figure to set against the served tau. The forward runs with gradients enabled (and no
-        backward) so that compiled layers reuse the training graph: no_grad would compile another,
-        and a recompile here is an error, as in the training steps."""
-        t0 = time.perf_counter()
-        cfg, loader = self.cfg, self.val_loader
-        stats = StepStats.zeros(self.drafter.block_size, self.device)
-        stats.weight_sum = torch.zeros((), device=self.device)
-        walks: list[list[int]] = []
-
-        def add(mb, out) -> None:
-            stats.add(out, mb)
-            stats.weight_sum += mb.blocks.weights.sum()
-
-        count = min(cfg.val_batches, loader.batches_in_epoch(0))
-        guard = recompiles_are_errors() if self.compile_report is not None else contextlib.nullcontext()
-        with guard:
-            for k in range(self.topo.drafter_rank, count, self.topo.num_drafters):
-                cpu = loader.batch(0, k)
-                batch = cpu.to(self.device)
-                feats = target_features(self.target, batch, cpu.plain_causal)
-                with self._autocast():
-                    accepted = acceptance_map(
-                        self.drafter, self.target, batch, feats, cfg.num_anchors, self.spec.gamma,
-                        self.spec.kernels, on_pass=add,
-                    )  # fmt: skip
-                walks += walk_lengths(accepted, cpu.loss_mask, cpu.doc_ids)
-        self._reduce_stats(stats)
-        stats.weight_sum = self.topo.drafter_sum_(stats.weight_sum).clamp(min=1e-6)
-        taus = torch.tensor([sum(sum(w) / len(w) for w in walks), len(walks)], device=self.device)
-        tau_sum, docs = self.topo.drafter_sum_(taus).tolist()
-        m = {f"val_{k}": v for k, v in stats.to_metrics().items()}
-        return m | {
-            "val_tau_walk": tau_sum / max(docs, 1),
-            "val_docs": int(docs),
-            "val_s": time.perf_counter() - t0,
-        }
+        """The training metrics on held-out conversations (train/probes.py `validate`)."""
+        return validate(self)
 
     def measure_tau(self) -> dict:
-        """Greedy speculative decoding against the running target on held-out prompts: the serving
-        acceptance length, watched during training instead of guessed from training accuracy.
-
-        Decoding changes shapes every cycle, so the drafter's compiled layers run eagerly here
-        (force_eager), outside the fail_on_recompile stance of training steps."""
-        from flashdraft.eval.spec import eval_tau
-
-        tokenizer, prompts = self.tau_probe
-        t0 = time.perf_counter()
-        new_tokens = self.cfg.eval_max_new_tokens
-        if self.cfg.eval_cuda_graphs:  # graphs need weights that stay put: a copy, as a served export
-            drafter = self.served_copy()
-            with torch.compiler.set_stance("force_eager"):
-                tau = eval_tau(self.target, tokenizer, drafter, prompts, new_tokens, cuda_graphs=True)
-        else:
-            with self._autocast(), torch.compiler.set_stance("force_eager"):
-                tau = eval_tau(self.target, tokenizer, self.drafter, prompts, new_tokens)
-        return {"tau": tau, "tau_eval_s": time.perf_counter() - t0}
-
-    def served_copy(self) -> DFlashDrafter:
-        """An uncompiled eval-mode copy of the drafter as `flashdraft eval` loads its export: weights
-        rounded through the target's dtype (bf16 on a GPU)."""
-        dtype = next(self.target.model.parameters()).dtype
-        return drafter_from_state(self.drafter.config, self.drafter.state_dict(), self.device, dtype).eval()
+        """Greedy tau on held-out prompts against the running target (train/probes.py `measure_tau`)."""
+        return measure_tau(self)
 
     def fingerprint_extra(self) -> dict:
         keys = ("step", "ctx_tok_s", "draft_pos_s", "loss")

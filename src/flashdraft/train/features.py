@@ -1,0 +1,32 @@
+"""Where a drafter rank's micro-batches and target features come from: `LocalFeatures` runs this
+rank's target on the batches of the stream (the colocated layout), `ReceivedFeatures` takes both from a
+target rank (a drafter rank of a split layout; flashdraft.distributed.exchange). Either gives the step
+(batch on the device, features, context tokens) for global micro-batch m."""
+
+from __future__ import annotations
+
+from flashdraft.train.step import target_features
+from flashdraft.train.timing import PhaseTimer
+
+
+class LocalFeatures:
+    def __init__(self, trainer):
+        self.stream, self.target, self.device = trainer.stream, trainer.target, trainer.device
+
+    def get(self, m: int, next_m: int | None, timer: PhaseTimer):
+        with timer("data"):
+            cpu = self.stream[m]
+            batch = cpu.to(self.device)
+        with timer("target_forward"):
+            feats = target_features(self.target, batch, cpu.plain_causal)
+        return batch, feats, cpu.num_tokens
+
+
+class ReceivedFeatures:
+    def __init__(self, remote):
+        self.remote = remote
+
+    def get(self, m: int, next_m: int | None, timer: PhaseTimer):
+        with timer("receive"):
+            batch, feats = self.remote.get(m, next_m)
+        return batch, feats, (batch.doc_ids >= 0).sum()  # stays on the device: no sync in the step
