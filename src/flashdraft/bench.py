@@ -19,11 +19,9 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, Pre
 from flashdraft.config import TrainConfig, resolve_config
 from flashdraft.data.packing import PackedBatch
 from flashdraft.distributed.topology import init_topology
-from flashdraft.model.drafter import DFlashDrafter, drafter_config
-from flashdraft.model.target import choose_packing
 from flashdraft.train.flops import matmul_tflops, micro_batch_flops, sync
 from flashdraft.train.timing import PhaseTimer
-from flashdraft.train.trainer import Trainer, init_drafter_
+from flashdraft.train.trainer import Trainer, drafter_and_packing
 
 QWEN3_VOCAB = 151936
 QWEN3_MASK_ID = 151669
@@ -173,16 +171,14 @@ def run_bench(
             "recompute_logits": recompute_logits,
             "compile": compile,
             "compile_target": compile_target,
+            "drafter.mask_token_id": QWEN3_MASK_ID if tcfg.vocab_size == QWEN3_VOCAB else tcfg.vocab_size - 1,
         },
     )
-    mask_id = QWEN3_MASK_ID if tcfg.vocab_size == QWEN3_VOCAB else tcfg.vocab_size - 1
     model = random_target(tcfg, dev, dtype)
-    dcfg = drafter_config(tcfg, drafter_layers, None, cfg.drafter.num_taps, block_size, mask_id)
-    drafter = DFlashDrafter(dcfg).to(dev)
-    init_drafter_(drafter, 0.02, seed=0)
-    t_probe = time.perf_counter()  # the probe `flashdraft train` starts with (these rows hold one document)
-    packing = choose_packing(model, dcfg.target_layer_ids)
+    t_probe = time.perf_counter()  # with the packing probe `flashdraft train` starts with
+    drafter, packing = drafter_and_packing(cfg, model, None, topo)
     probe_s = time.perf_counter() - t_probe
+    dcfg = drafter.config
     stream = SyntheticStream(cfg, tcfg.vocab_size)
     trainer = Trainer(cfg, model, drafter, stream, cfg.max_steps, topo, packing=packing)
     del model  # a drafter rank of a split layout keeps only the target's embedding and lm_head

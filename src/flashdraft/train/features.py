@@ -11,14 +11,15 @@ from flashdraft.train.timing import PhaseTimer
 
 class LocalFeatures:
     def __init__(self, trainer):
-        self.stream, self.target, self.device = trainer.stream, trainer.target, trainer.device
+        self.trainer = trainer  # its stream is read at every batch (a caller may swap it)
 
     def get(self, m: int, next_m: int | None, timer: PhaseTimer):
+        t = self.trainer
         with timer("data"):
-            cpu = self.stream[m]
-            batch = cpu.to(self.device)
+            cpu = t.stream[m]
+            batch = cpu.to(t.device)
         with timer("target_forward"):
-            feats = target_features(self.target, batch, cpu.plain_causal)
+            feats = target_features(t.target, batch, cpu.plain_causal)
         return batch, feats, cpu.num_tokens
 
 

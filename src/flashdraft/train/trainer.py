@@ -112,6 +112,21 @@ class TrainResult:
     checkpoint: Path
 
 
+def drafter_and_packing(cfg: TrainConfig, model, tokenizer, topo: Topology) -> tuple[DFlashDrafter, str]:
+    """The run's drafter (initialised from the seed) and how its rows hold documents: what `build` and
+    `flashdraft bench` both give the Trainer. `tokenizer` may be None when drafter.mask_token_id is set."""
+    drafter = build_drafter(cfg, model, tokenizer, topo.device)
+    asked = cfg.data.one_document_per_row
+    packing = "one_document" if asked else choose_packing(model, drafter.target_layer_ids)
+    if packing == "one_document" and not asked and topo.is_main:
+        print(
+            "the target's layers carry state across packed documents (no mask keeps them apart): "
+            "training rows hold one document each",
+            flush=True,
+        )
+    return drafter, packing
+
+
 def build_drafter(cfg: TrainConfig, model, tokenizer, device) -> DFlashDrafter:
     spec = cfg.drafter
     mask_id = resolve_mask_token_id(
@@ -196,16 +211,8 @@ def build(config: RunConfig) -> Trainer:
     topo.barrier()
     torch.manual_seed(cfg.seed)
     model, tokenizer = load_target(target_path, topo.device, attention=cfg.target_attention)
-    drafter = build_drafter(cfg, model, tokenizer, topo.device)
+    drafter, packing = drafter_and_packing(cfg, model, tokenizer, topo)
     drafter.config.flashdraft_target = target_record(target_path, model)  # written with every checkpoint
-    asked = cfg.data.one_document_per_row
-    packing = "one_document" if asked else choose_packing(model, drafter.target_layer_ids)
-    if packing == "one_document" and not asked and topo.is_main:
-        print(
-            "the target's layers carry state across packed documents (no mask keeps them apart): "
-            "training rows hold one document each",
-            flush=True,
-        )
     pad = cfg.data.pad_token_id
     if pad is None:
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
