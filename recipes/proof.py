@@ -37,6 +37,16 @@ from rich.table import Table
 from flashdraft.config import set_dotted
 from flashdraft.demo.pipeline import Scale, StageClock, prepare
 
+# The drafter both H200 proofs train (3 layers, 5 taps, 8 rows of 2,048 tokens, 256 anchors a row)
+H200_DRAFTER = {
+    "drafter.num_layers": 3,
+    "drafter.num_taps": 5,
+    "data.seq_len": 2048,
+    "data.rows_per_batch": 8,
+    "num_anchors": 256,
+    "optim.lr": 1e-3,
+}
+
 # The proof's scale on one H200; the measurements behind each figure are in docs/results.md ("The
 # proof on the H200", its attempts 5-10 and sessions 3-8).
 H200 = Scale(
@@ -53,15 +63,7 @@ H200 = Scale(
     regen_batch=8192,
     regen_cache="static",
     prepare_procs=8,
-    drafter={
-        "drafter.num_layers": 3,
-        "drafter.num_taps": 5,
-        "data.seq_len": 2048,
-        "data.rows_per_batch": 8,
-        "num_anchors": 256,
-        "optim.lr": 1e-3,
-        "eval_cuda_graphs": True,  # the probes on CUDA graphs, as the evals
-    },
+    drafter={**H200_DRAFTER, "eval_cuda_graphs": True},  # the probes on CUDA graphs, as the evals
     preset="default",
     drafter_step_s=0.043,  # median step at 8 rows in `flashdraft train`
     proof_eval_s=75.0,  # evals at T = 0 and T = 1 and the reference package, 32 prompts, CUDA graphs

@@ -2,6 +2,7 @@
 flashdraft.demo.real_target, whose CPU scale is `flashdraft demo --target smollm2`)."""
 
 from flashdraft.demo.real_target import RealScale
+from recipes.proof import H200_DRAFTER
 
 H200 = RealScale(
     device="cuda",
@@ -19,12 +20,7 @@ H200 = RealScale(
     temperatures=(0.0, 1.0),
     preset="default",
     train={
-        "drafter.num_layers": 3,
-        "drafter.num_taps": 5,
-        "data.seq_len": 2048,
-        "data.rows_per_batch": 8,
-        "num_anchors": 256,
-        "optim.lr": 1e-3,
+        **H200_DRAFTER,
         "epochs": 100,  # the step count comes from the time left, not from passes over the data
         "log_every": 50,
     },
