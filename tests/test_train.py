@@ -195,6 +195,47 @@ def test_a_runs_own_config_yaml_runs_it_again(tmp_path, tiny_target_dir, tiny_to
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_init_from_starts_from_the_source_drafter_and_refuses_one_that_does_not_fit(
+    tmp_path, tiny_target_dir, tiny_tokenizer
+):
+    """--init-from DIR: the run's drafter before its first step is DIR's drafter as `flashdraft eval`
+    loads it (shape and weights); a drafter setting that differs from DIR, or a drafter made for
+    another target, is refused before the target's weights load."""
+    import shutil
+
+    from flashdraft.config import resolve_config
+    from flashdraft.train.trainer import build_trainer
+
+    data = _token_data(tmp_path / "data", tiny_tokenizer, [70, 90, 120, 60, 100, 80] * 2, seed=8)
+    over = {"data.seq_len": 128, "data.rows_per_batch": 2, "num_anchors": 8, "max_steps": 2}
+    source = build_trainer(resolve_config("tiny_cpu", **over), tiny_target_dir, data, tmp_path / "a", "cpu")
+    source.run()
+    ckpt = latest_checkpoint(tmp_path / "a" / "checkpoints")
+
+    cfg = resolve_config("finetune", **over, init_from=str(ckpt))
+    tuned = build_trainer(cfg, tiny_target_dir, data, tmp_path / "b", "cpu")
+    loaded = load_drafter(ckpt)
+    assert tuned.drafter.config.num_hidden_layers == 2 and tuned.cfg.drafter.num_layers == 2
+    assert tuned.cfg.drafter.target_layer_ids == loaded.target_layer_ids == source.drafter.target_layer_ids
+    mine = tuned.drafter.state_dict()
+    assert mine.keys() == loaded.state_dict().keys()
+    assert all(torch.equal(mine[k], v) for k, v in loaded.state_dict().items())
+    assert tuned.cfg.optim.lr == 6e-5
+    tuned.run()  # and it trains
+
+    three = resolve_config("finetune", **over, init_from=str(ckpt), **{"drafter.num_layers": 3})
+    with pytest.raises(ValueError, match=r"drafter.num_layers: 3 here, 2 in"):
+        build_trainer(three, tiny_target_dir, data, tmp_path / "c", "cpu")
+    other = tmp_path / "other"
+    shutil.copytree(ckpt, other)
+    raw = json.loads((other / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps(raw | {"num_target_layers": 12}))
+    with pytest.raises(ValueError, match=r"another target: num_target_layers 12 \(the target's: 6\)"):
+        build_trainer(resolve_config("finetune", **over, init_from=str(other)), tiny_target_dir, data,
+                      tmp_path / "d", "cpu")  # fmt: skip
+    assert not (tmp_path / "c").exists() and not (tmp_path / "d").exists()
+
+
 def test_train_shows_only_its_own_progress_and_no_deprecation_warning(
     tmp_path, tiny_target_dir, tiny_tokenizer
 ):

@@ -83,6 +83,11 @@ class TrainConfig(_Strict):
     num_anchors: int = Field(512, ge=1, description="anchors sampled per row")
     anchors_per_document: int | None = Field(None, ge=1, description="cap of anchors in one packed document")
     gamma: float | None = Field(None, gt=0, description="slot weight decay; by block size when unset")
+    init_from: str | None = Field(
+        None,
+        description="start from the z-lab drafter in this directory (ours or a released one): its shape "
+        "and weights; drafter settings given here must match it",
+    )
     epochs: int = Field(6, ge=1)
     max_steps: int | None = Field(None, ge=1, description="stop after this many optimizer steps")
     grad_accum: int = Field(1, ge=1)
@@ -244,6 +249,9 @@ PRESETS: dict[str, dict[str, Any]] = {
         "epochs": 4,
         "log_every": 10,
     },
+    # fine-tuning a drafter given by init_from (its shape comes from there): a tenth of the default
+    # learning rate, a short warm-up
+    "finetune": {"optim": {"lr": 6e-5, "warmup_ratio": 0.01}},
     "qwen3_8b_h200": {
         "drafter": {"num_layers": 5, "num_taps": 5},
         "data": {"seq_len": 3072, "rows_per_batch": 1},
@@ -283,7 +291,7 @@ def resolve_run_config(preset: str = "default", yaml_path: Path | None = None, *
 
 def run_config(cfg: TrainConfig, **run: Any) -> RunConfig:
     """A recipe and its `run:` settings (RunSpec's fields) as one RunConfig."""
-    raw = cfg.model_dump(mode="json", exclude={"run", "record"})
+    raw = cfg.model_dump(mode="json", exclude={"run", "record"}, exclude_unset=True)  # keeps what was set
     run = {k: str(v) if isinstance(v, Path) else v for k, v in run.items() if v is not None}
     return _validate(RunConfig, {**raw, "run": run}, None)
 

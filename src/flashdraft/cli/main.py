@@ -32,7 +32,7 @@ def train(
     config: Path | None = typer.Option(
         None, help="YAML config overlaid on the preset; a run's RUN/config.yaml runs it again"
     ),
-    preset: str = typer.Option("default", help="named preset: default, tiny_cpu, qwen3_8b_h200"),
+    preset: str = typer.Option("default", help="named preset: default, tiny_cpu, finetune, qwen3_8b_h200"),
     max_steps: int | None = typer.Option(None, help="stop after this many optimizer steps"),
     save_every: int | None = typer.Option(None, help="checkpoint every N steps (and at the end)"),
     seed: int | None = typer.Option(None, help="random seed"),
@@ -48,6 +48,12 @@ def train(
     keep_last: int | None = typer.Option(None, help="keep only the newest K checkpoints"),
     backend: str | None = typer.Option(
         None, help="process-group backend: auto (the default: NCCL on GPU, gloo on CPU) or gloo"
+    ),
+    init_from: Path | None = typer.Option(
+        None,
+        "--init-from",
+        help="start from this z-lab drafter (ours or a released one; its shape is the drafter's); "
+        "with --preset finetune for a lower learning rate",
     ),
     eval_prompts: Path | None = typer.Option(None, help="held-out prompts (JSONL) for tau during training"),
     eval_every: int | None = typer.Option(None, help="measure tau every N steps (needs --eval-prompts)"),
@@ -113,6 +119,7 @@ def train(
             "val_every": val_every,
             "val_data": str(val_data) if val_data else None,
             "trust_compile_cache": trust_compile_cache or None,
+            "init_from": str(init_from) if init_from else None,
         }
         run = {"target": target, "data": str(data) if data else None, "out": str(out) if out else None}
         run |= {"device": device, "layout": layout, "s3": s3, "backend": backend}

@@ -36,11 +36,16 @@ from flashdraft.distributed.parallel import (
     sharding_line,
 )
 from flashdraft.distributed.topology import Topology, init_topology
-from flashdraft.model.checkpoint import (
-    latest_checkpoint,
-)
+from flashdraft.model.checkpoint import latest_checkpoint, load_drafter
 from flashdraft.model.drafter import DFlashDrafter, drafter_config
-from flashdraft.model.target import Target, choose_packing, decoder_layers, load_target, target_record
+from flashdraft.model.target import (
+    Target,
+    choose_packing,
+    decoder_layers,
+    load_target,
+    target_config,
+    target_record,
+)
 from flashdraft.run.fingerprint import ENV_FILE
 from flashdraft.run.provenance import check_data_fits_target, check_resume_record, run_record
 from flashdraft.train.blocks import default_gamma
@@ -113,9 +118,13 @@ class TrainResult:
 
 
 def drafter_and_packing(cfg: TrainConfig, model, tokenizer, topo: Topology) -> tuple[DFlashDrafter, str]:
-    """The run's drafter (initialised from the seed) and how its rows hold documents: what `build` and
-    `flashdraft bench` both give the Trainer. `tokenizer` may be None when drafter.mask_token_id is set."""
-    drafter = build_drafter(cfg, model, tokenizer, topo.device)
+    """The run's drafter (initialised from the seed, or the init_from drafter: see `drafter_from`) and
+    how its rows hold documents: what `build` and `flashdraft bench` both give the Trainer. `tokenizer`
+    may be None when drafter.mask_token_id is set."""
+    if cfg.init_from:
+        drafter = load_drafter(cfg.init_from, topo.device)
+    else:
+        drafter = build_drafter(cfg, model, tokenizer, topo.device)
     asked = cfg.data.one_document_per_row
     packing = "one_document" if asked else choose_packing(model, drafter.target_layer_ids)
     if packing == "one_document" and not asked and topo.is_main:
@@ -125,6 +134,50 @@ def drafter_and_packing(cfg: TrainConfig, model, tokenizer, topo: Topology) -> t
             flush=True,
         )
     return drafter, packing
+
+
+def with_init_from(cfg: TrainConfig, target_config) -> TrainConfig:
+    """`cfg` with the drafter shape of its init_from directory (a z-lab drafter, validated as an export
+    is), checked against the target; a drafter setting given in the config that differs is an error."""
+    from flashdraft.export.formats import read_zlab
+
+    source = Path(cfg.init_from)
+    raw, _ = read_zlab(source)
+    t = target_config.get_text_config()
+    ids = list(raw["dflash_config"]["target_layer_ids"])
+    fits = {
+        "hidden_size": (raw["hidden_size"], t.hidden_size),
+        "vocab_size": (raw["vocab_size"], t.vocab_size),
+        "num_target_layers": (raw["num_target_layers"], t.num_hidden_layers),
+    }
+    problems = [
+        f"{k} {ours} (the target's: {theirs})" for k, (ours, theirs) in fits.items() if ours != theirs
+    ]
+    if problems:
+        raise ValueError(f"init_from {source}: a drafter for another target: " + "; ".join(problems))
+    shape = {
+        "num_layers": raw["num_hidden_layers"],
+        "target_layer_ids": ids,
+        "num_taps": len(ids),
+        "block_size": int(raw.get("block_size") or raw["dflash_config"]["block_size"]),
+        "mask_token_id": raw["dflash_config"]["mask_token_id"],
+        "intermediate_size": raw["intermediate_size"],
+        "num_attention_heads": raw["num_attention_heads"],
+        "num_key_value_heads": raw["num_key_value_heads"],
+        "head_dim": raw["head_dim"],
+    }
+    given = cfg.drafter.model_fields_set
+    conflicts = [
+        f"drafter.{k}: {getattr(cfg.drafter, k)} here, {v} in {source}"
+        for k, v in shape.items()
+        if k in given and getattr(cfg.drafter, k) != v
+    ]
+    if conflicts:
+        raise ValueError(
+            f"init_from {source} fixes the drafter's shape; leave these unset or match them: "
+            + "; ".join(conflicts)
+        )
+    return cfg.model_copy(update={"drafter": cfg.drafter.model_copy(update=shape)})
 
 
 def build_drafter(cfg: TrainConfig, model, tokenizer, device) -> DFlashDrafter:
@@ -210,6 +263,8 @@ def build(config: RunConfig) -> Trainer:
         restore_run(s3_url, Path(out_dir))
     topo.barrier()
     torch.manual_seed(cfg.seed)
+    if cfg.init_from:  # checked against the target's config before the target loads
+        cfg = with_init_from(cfg, target_config(target_path))
     model, tokenizer = load_target(target_path, topo.device, attention=cfg.target_attention)
     drafter, packing = drafter_and_packing(cfg, model, tokenizer, topo)
     drafter.config.flashdraft_target = target_record(target_path, model)  # written with every checkpoint
