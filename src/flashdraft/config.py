@@ -83,6 +83,14 @@ class TrainConfig(_Strict):
     num_anchors: int = Field(512, ge=1, description="anchors sampled per row")
     anchors_per_document: int | None = Field(None, ge=1, description="cap of anchors in one packed document")
     gamma: float | None = Field(None, gt=0, description="slot weight decay; by block size when unset")
+    distill: float = Field(
+        0.0,
+        ge=0,
+        le=1,
+        description="soft-label distillation: each label's loss is (1 - distill) x CE + distill x KL from "
+        "the target's next-token distribution there (its final hidden state and lm_head at label positions "
+        "only; every target layer runs); 0: hard-label CE",
+    )
     init_from: str | None = Field(
         None,
         description="start from the z-lab drafter in this directory (ours or a released one): its shape "
@@ -232,6 +240,11 @@ class RunConfig(TrainConfig):
                 )
             if self.val_data:
                 raise ValueError("val_data needs the target on the drafter ranks: use the colocated layout")
+            if self.distill:
+                raise ValueError(
+                    "distill needs the target's final hidden state on the drafter ranks: use the colocated "
+                    "layout"
+                )
         return self
 
     @property

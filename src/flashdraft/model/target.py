@@ -160,19 +160,23 @@ class Target:
         return F.embedding(input_ids, self.embed_tokens.weight)
 
     @torch.no_grad()
-    def features(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def features(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None, final: bool = False
+    ):
         """Tapped layer outputs concatenated on the feature axis: [b, S, N*D].
 
         position_ids None: each row is one document at positions 0.. (plain causal attention). Given,
         they restart at 0 in each document of a packed row, which keeps the documents apart
-        (`packing`); padding sits at position 0 and sees only itself.
+        (`packing`); padding sits at position 0 and sees only itself. final: every layer runs, and the
+        result is (features, the final normed hidden state [b, S, D]) (soft-label distillation).
         """
         if self.heads_only:
             raise RuntimeError("this Target keeps only the embedding and lm_head (heads_only=True)")
-        return self._features(self.packing, position_ids, input_ids=input_ids)
+        return self._features(self.packing, position_ids, final, input_ids=input_ids)
 
-    def _features(self, packing: str, position_ids: torch.Tensor | None, **inputs) -> torch.Tensor:
-        """One forward up to the last tapped layer, from `input_ids` or `inputs_embeds`."""
+    def _features(self, packing: str, position_ids: torch.Tensor | None, final: bool = False, **inputs):
+        """One forward up to the last tapped layer (every layer when `final`), from `input_ids` or
+        `inputs_embeds`."""
         self._taps.clear()
         if packing == "masks" and position_ids is not None and "input_ids" in inputs:
             inputs["inputs_embeds"] = self.embed_tokens(inputs.pop("input_ids"))  # the mask builders need it
@@ -181,6 +185,9 @@ class Target:
         kwargs = {}
         if packing == "masks" and position_ids is not None:
             kwargs["attention_mask"] = self._masks(inputs["inputs_embeds"], position_ids)
+        if final:
+            out = self.decoder(**inputs, position_ids=position_ids, use_cache=False, **kwargs)
+            return self._collect(), out.last_hidden_state
         self._stopping = True
         try:
             self.decoder(**inputs, position_ids=position_ids, use_cache=False, **kwargs)

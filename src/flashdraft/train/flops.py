@@ -88,13 +88,18 @@ def micro_batch_flops(cfg, target_cfg, drafter_cfg) -> dict:
     """Model FLOPs of one micro-batch of a run (`step_flops` of a row, times its rows): every query
     position computed (num_anchors x block_size per row) as the kernels do. The trainer, the bench and
     the plan all count with this."""
-    block = drafter_cfg.block_size
+    block, t = drafter_cfg.block_size, target_cfg.get_text_config()
+    # distillation runs every target layer, and the target's lm_head at each label position
+    kept = t.num_hidden_layers if cfg.distill else max(drafter_cfg.target_layer_ids) + 1
     row = step_flops(
         target_cfg,
         drafter_cfg,
-        max(drafter_cfg.target_layer_ids) + 1,
+        kept,
         cfg.data.seq_len,
         cfg.num_anchors * block,
         cfg.num_anchors * (block - 1),
     )
+    if cfg.distill:
+        row["target"] += cfg.num_anchors * (block - 1) * 2 * t.hidden_size * t.vocab_size
+        row["total"] = row["target"] + row["drafter"]
     return {k: v * cfg.data.rows_per_batch for k, v in row.items()}

@@ -22,7 +22,7 @@ from torch.utils.checkpoint import checkpoint
 
 @dataclass
 class BlockLoss:
-    weighted_ce: torch.Tensor  # sum over positions of w * ce (not yet normalised)
+    weighted_ce: torch.Tensor  # sum over positions of w * loss (CE, or CE and KL mixed; not normalised)
     correct: torch.Tensor  # [B] argmax hits per slot (label positions with loss mask only)
     counted: torch.Tensor  # [B] label positions per slot
     accepted: torch.Tensor  # sum over blocks of 1 + the run of correct slots from slot 1 on
@@ -35,9 +35,23 @@ class BlockLoss:
         return self.accepted / self.blocks.clamp(min=1)
 
 
-def _chunk_ce(h: torch.Tensor, w_head: torch.Tensor, labels: torch.Tensor):
+def _chunk_ce(
+    h: torch.Tensor,
+    w_head: torch.Tensor,
+    labels: torch.Tensor,
+    teacher: torch.Tensor | None = None,
+    distill: float = 0.0,
+):
+    """Per position: (1 - distill) x CE to the label + distill x KL(target || drafter), and the argmax.
+    teacher: the target's final hidden state before each label (its next-token distribution there)."""
     logits = (h @ w_head.t()).float()
-    return F.cross_entropy(logits, labels, reduction="none"), logits.argmax(-1)
+    loss = F.cross_entropy(logits, labels, reduction="none")
+    if teacher is not None and distill > 0:
+        with torch.no_grad():
+            target_logp = F.log_softmax((teacher @ w_head.t()).float(), -1)
+        kl = (target_logp.exp() * (target_logp - F.log_softmax(logits, -1))).sum(-1)
+        loss = (1 - distill) * loss + distill * kl
+    return loss, logits.argmax(-1)
 
 
 def block_loss(
@@ -47,13 +61,17 @@ def block_loss(
     weights: torch.Tensor,
     chunk_rows: int = 8192,
     recompute: bool = True,
+    teacher: torch.Tensor | None = None,
+    distill: float = 0.0,
 ) -> BlockLoss:
     """hidden [b, n*B, D] -> weighted CE over slots 1..B-1 (slot 0, the anchor, has no loss and
     no logits are computed for it).
 
     labels, weights: [b, n, B]; weights already include slot decay, loss mask and block validity.
     recompute: keep no logits for the backward (recompute each chunk's): less memory, one more
-    lm_head matmul.
+    lm_head matmul. teacher [b * n * (B-1), D], distill: soft-label distillation, the target's final
+    hidden state before each label of slots 1..B-1; each position's loss is (1 - distill) x CE +
+    distill x KL(target || drafter), the target's logits computed at those positions only.
     """
     b, n, bs = labels.shape
     h = hidden.view(b, n, bs, -1)[:, :, 1:].reshape(b * n * (bs - 1), -1)
@@ -67,10 +85,11 @@ def block_loss(
     for start in range(0, h.shape[0], chunk_rows):
         sl = slice(start, start + chunk_rows)
         hc, yc, wc = h[sl], y[sl], w[sl]
+        tc = teacher[sl] if teacher is not None else None
         if recompute and torch.is_grad_enabled() and hc.requires_grad:
-            ce, pred = checkpoint(_chunk_ce, hc, lm_head_weight, yc, use_reentrant=False)
+            ce, pred = checkpoint(_chunk_ce, hc, lm_head_weight, yc, tc, distill, use_reentrant=False)
         else:
-            ce, pred = _chunk_ce(hc, lm_head_weight, yc)
+            ce, pred = _chunk_ce(hc, lm_head_weight, yc, tc, distill)
         total = total + (ce * wc).sum()
         hits[sl] = (pred == yc) & (wc > 0)
     correct.index_add_(0, slot, hits.float())

@@ -30,6 +30,7 @@ class Kernels:
     attention: str = "flex"  # flex (GPU) or dense (the SDPA reference; the CPU)
     compiled: bool = False  # the drafter's layers and the block mask compiled
     recompute_logits: bool = True  # the loss recomputes the lm_head logits in backward
+    distill: float = 0.0  # the loss's weight of KL to the target's distribution (0: hard-label CE)
 
 
 @dataclass(frozen=True)
@@ -52,13 +53,17 @@ class StepSpec:
         """Micro-batches of one optimizer step over every drafter rank."""
         return self.grad_accum * self.num_drafters
 
-    def plan(self, batch: PackedBatch, m: int, features: torch.Tensor | None = None) -> MicroBatch:
+    def plan(
+        self, batch: PackedBatch, m: int, features: torch.Tensor | None = None, teacher=None
+    ) -> MicroBatch:
         """Global micro-batch m: its anchors (a pure function of the seed and m) and blocks."""
         rows = row_generators(self.seed, m, batch.input_ids.shape[0])
-        return plan_micro_batch(
+        mb = plan_micro_batch(
             batch, self.num_anchors, self.block_size, self.mask_token_id, self.gamma, rows, features,
             self.anchors_per_document,
         )  # fmt: skip
+        mb.teacher = teacher
+        return mb
 
 
 @dataclass
@@ -67,6 +72,7 @@ class MicroBatch:
     anchors: Anchors
     blocks: Blocks
     features: torch.Tensor | None = None  # tapped target features [b, S, N*D]
+    teacher: torch.Tensor | None = None  # the target's final hidden state [b, S, D] (distillation)
 
 
 def plan_micro_batch(
@@ -128,11 +134,22 @@ def visibility_for(mb: MicroBatch, block_size: int, attention: str, compiled: bo
     return Visibility(dense_visibility(mb.anchors, mb.batch.doc_ids, block_size))
 
 
-def target_features(target: Target, batch: PackedBatch, plain_causal: bool = False) -> torch.Tensor:
+def target_features(target: Target, batch: PackedBatch, plain_causal: bool = False, final: bool = False):
     """The target keeps the documents of a row apart by their position ids (`Target.packing`).
     plain_causal: every row is one document with no padding (checked on the host by the caller), so the
-    target runs its plain causal kernel (flash), with no mask to build and no host sync."""
-    return target.features(batch.input_ids, None if plain_causal else batch.position_ids)
+    target runs its plain causal kernel (flash), with no mask to build and no host sync. final: also its
+    final hidden state (all layers run): (features, final)."""
+    return target.features(batch.input_ids, None if plain_causal else batch.position_ids, final)
+
+
+def teacher_rows(mb: MicroBatch) -> torch.Tensor:
+    """[b * n * (B-1), D]: the target's final hidden state at the position before each label of slots
+    1..B-1, in block_loss's row order (its next-token distribution for that label)."""
+    b, n, bs = mb.blocks.labels.shape
+    s, d = mb.teacher.shape[1], mb.teacher.shape[2]
+    k = torch.arange(bs - 1, device=mb.teacher.device)  # slot k + 1's label follows position anchor + k
+    idx = (mb.anchors.index[:, :, None] + k).clamp(max=s - 1).view(b, -1, 1).expand(-1, -1, d)
+    return mb.teacher.gather(1, idx).reshape(-1, d)
 
 
 def micro_step_loss(
@@ -159,10 +176,13 @@ def micro_step_loss(
             block_embeds = target.embed(mb.blocks.input_ids).to(feats.dtype)
         hidden = drafter(block_embeds, mb.blocks.positions, None, vis, feats, mb.batch.position_ids)
     with timer("loss_forward"):
+        teacher = teacher_rows(mb) if mb.teacher is not None and kernels.distill > 0 else None
         return block_loss(
             hidden,
             target.lm_head.weight,
             mb.blocks.labels,
             mb.blocks.weights,
             recompute=kernels.recompute_logits,
+            teacher=teacher,
+            distill=kernels.distill,
         )

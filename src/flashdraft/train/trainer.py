@@ -343,7 +343,7 @@ class Trainer:
         self.compiled = cfg.compile if cfg.compile is not None else self.device.type == "cuda"
         self.attention = resolve_attention(cfg.attention, self.device, drafter.config.head_dim)
         self.spec = StepSpec(
-            Kernels(self.attention, self.compiled, cfg.recompute_logits),
+            Kernels(self.attention, self.compiled, cfg.recompute_logits, cfg.distill),
             cfg.num_anchors,
             drafter.block_size,
             drafter.mask_token_id,
@@ -426,8 +426,8 @@ class Trainer:
         return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=enabled)
 
     def _micro_batch(self, m: int, next_m: int | None, timer: PhaseTimer):
-        batch, feats, ctx_tokens = self.features.get(m, next_m, timer)
-        return self.spec.plan(batch, m, feats), ctx_tokens
+        batch, feats, teacher, ctx_tokens = self.features.get(m, next_m, timer)
+        return self.spec.plan(batch, m, feats, teacher), ctx_tokens
 
     def train_step(self, timer: PhaseTimer = NULL_TIMER) -> StepStats:
         """One optimizer step over this rank's micro-batches; returns device tensors (no host sync)."""
