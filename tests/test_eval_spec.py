@@ -232,6 +232,31 @@ def test_report_counts_acceptance_per_cycle_and_per_position():
     assert report["tau_ratio_dflash_over_ngram"] == {"ratio": 1.0, "ci95": [1.0, 1.0], "samples": 2}
 
 
+def test_tau_is_reported_by_prompt_length():
+    """Buckets of prompt tokens (below 256, 256-1023, ... 16K and beyond), each with its prompt count and
+    each speculative method's mean tau over its prompts."""
+    from flashdraft.eval.report import bucket_name
+
+    assert [bucket_name(n) for n in (0, 255, 256, 4095, 16383, 16384)] == [
+        "0-255", "0-255", "256-1023", "1024-4095", "4096-16383", ">=16384",
+    ]  # fmt: skip
+
+    def gen(*lengths):
+        return Generation([1] * (sum(lengths) + 1), list(lengths), verify_sizes=[4] * len(lengths))
+
+    dflash = [gen(4, 4), gen(2), gen(3, 1), gen(1)]
+    ngram = [gen(2), gen(1), gen(1), gen(2)]
+    plain = [Generation(tokens=g.tokens) for g in dflash]
+    results = {"autoregressive": plain, "dflash": dflash, "ngram": ngram}
+    report = build_report({"temperature": 1.0}, results, 4, prompt_lengths=[100, 5000, 120, 300])
+    assert report["tau_by_prompt_length"] == {
+        "0-255": {"prompts": 2, "dflash": pytest.approx(3.0), "ngram": pytest.approx(1.5)},
+        "256-1023": {"prompts": 1, "dflash": pytest.approx(1.0), "ngram": pytest.approx(2.0)},
+        "4096-16383": {"prompts": 1, "dflash": pytest.approx(2.0), "ngram": pytest.approx(1.0)},
+    }
+    assert "tau_by_prompt_length" not in build_report({"temperature": 1.0}, results, 4)
+
+
 def test_speedups_come_from_unrounded_times():
     # session 9: two methods 0.3 us apart per token at ~776 us reported equal speedups to 7 digits,
     # because the speedup divided times already rounded to the microsecond

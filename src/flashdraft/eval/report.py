@@ -104,7 +104,38 @@ def method_summary(gens: list[Generation], block_size: int) -> dict:
     }
 
 
-def build_report(settings: dict, results: dict[str, list[Generation]], block_size: int) -> dict:
+PROMPT_BUCKETS = (256, 1024, 4096, 16384)  # tau by prompt length: below each bound, and beyond the last
+
+
+def bucket_name(length: int) -> str:
+    lower = 0
+    for bound in PROMPT_BUCKETS:
+        if length < bound:
+            return f"{lower}-{bound - 1}"
+        lower = bound
+    return f">={lower}"
+
+
+def tau_by_prompt_length(results: dict[str, list[Generation]], prompt_lengths: list[int]) -> dict:
+    """Per prompt-length bucket (tokens): how many prompts, and each speculative method's mean tau over
+    them; long contexts are where a drafter trained short loses acceptance."""
+    buckets: dict[str, list[int]] = {}
+    for i, n in enumerate(prompt_lengths):
+        buckets.setdefault(bucket_name(n), []).append(i)
+    order = sorted(buckets, key=lambda b: int(b.lstrip(">=").split("-")[0]))
+    return {
+        b: {"prompts": len(buckets[b])}
+        | {m: _json_number(mean_tau([results[m][i].tau for i in buckets[b]])) for m in SPECULATIVE}
+        for b in order
+    }
+
+
+def build_report(
+    settings: dict,
+    results: dict[str, list[Generation]],
+    block_size: int,
+    prompt_lengths: list[int] | None = None,
+) -> dict:
     """REPORT.json: settings, the tau definition, per-method statistics (one key per method) and
     speedups over plain decoding.
 
@@ -122,6 +153,8 @@ def build_report(settings: dict, results: dict[str, list[Generation]], block_siz
             [g.tau for g in results["dflash"]], [g.tau for g in results["ngram"]]
         ),
     }
+    if prompt_lengths is not None:
+        report["tau_by_prompt_length"] = tau_by_prompt_length(results, prompt_lengths)
     if settings.get("temperature", 0.0) <= 0:
         plain = [g.tokens for g in results["autoregressive"]]
         report["identical_to_autoregressive"] = {
@@ -201,6 +234,10 @@ def print_table(report: dict, console: Console | None = None) -> None:
         )
     rates = report["dflash"]["acceptance_by_position"]
     console.print("DFlash acceptance by draft position: " + " ".join(_fmt(r, ".2f") for r in rates))
+    by_length = report.get("tau_by_prompt_length") or {}
+    if len(by_length) > 1:
+        parts = [f"{b} tokens: {_fmt(v['dflash'], '.2f')} ({v['prompts']})" for b, v in by_length.items()]
+        console.print("DFlash tau by prompt length: " + ", ".join(parts))
     same = report.get("identical_to_autoregressive")
     if same:
         console.print(
@@ -254,4 +291,4 @@ def compare_methods(
         "cuda_graphs": cuda_graphs,
         "target_attention": model.config.get_text_config()._attn_implementation,
     }
-    return build_report(settings, results, block)
+    return build_report(settings, results, block, [len(i) for i in ids])
