@@ -347,6 +347,16 @@ def test_validation_options_are_checked(over, message):
         resolve_config("tiny_cpu", None, **over)
 
 
+def test_an_override_leaves_the_preset_as_it_was():
+    """A dotted override once changed the preset's nested mapping in place, so every later run of the
+    process got it too (a 1-layer tiny_cpu drafter after one test asked for one)."""
+    from flashdraft.config import resolve_config
+
+    assert resolve_config("tiny_cpu", **{"drafter.num_layers": 1, "optim.lr": 1.0}).drafter.num_layers == 1
+    again = resolve_config("tiny_cpu")
+    assert again.drafter.num_layers == 2 and again.optim.lr == 3e-3
+
+
 def test_train_command_rejects_a_bad_config(tmp_path, tiny_target_dir):
     (tmp_path / "cfg.yaml").write_text("optim: {lr: -1}\n")
     result = CliRunner().invoke(

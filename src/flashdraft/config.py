@@ -10,6 +10,7 @@ and inside checkpoints, and `flashdraft train --config RUN/config.yaml` runs it 
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 from typing import Any, Literal
 
@@ -320,7 +321,7 @@ def _validate(model: type[BaseModel], raw: dict, yaml_path: Path | None):
 def _resolve_raw(preset: str, yaml_path: Path | None, overrides: dict) -> dict:
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
-    raw = dict(PRESETS[preset])
+    raw = copy.deepcopy(PRESETS[preset])  # the overrides below must not change the preset itself
     if yaml_path is not None:
         path = Path(yaml_path)
         if not path.is_file():
