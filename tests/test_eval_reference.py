@@ -83,3 +83,77 @@ def test_reference_decoding_reports_our_acceptance_lengths(exported, monkeypatch
         assert public[0, len(prompt) :].tolist() == mine.tokens
         lengths += mine.accept_lengths
     assert sum(lengths) / len(lengths) > 3  # the drafter is accepted, so acceptance lengths say something
+
+
+@pytest.fixture(scope="module", params=[3, 8])
+def sliding(request, tmp_path_factory):
+    """The trained tiny drafter with its first layer made a sliding_attention layer of `window` keys,
+    exported, and loaded by both."""
+    import copy
+
+    from flashdraft.model.drafter import DFlashDrafter
+
+    s = tiny_setup()
+    config = copy.deepcopy(s.trained.config)
+    config.layer_types = ["sliding_attention"] + ["full_attention"] * (config.num_hidden_layers - 1)
+    config.sliding_window, config.use_sliding_window = request.param, True
+    drafter = DFlashDrafter(config)
+    drafter.load_state_dict(s.trained.state_dict())
+    root = tmp_path_factory.mktemp("sliding")
+    (root / "ckpt").mkdir()
+    write_zlab(drafter, root / "ckpt")
+    out = export_checkpoint(root / "ckpt", "zlab", root / "zlab")
+    ref = reference.DFlashDraftModel.from_pretrained(str(out), dtype=torch.float32)
+    ours = load_drafter(out)
+    assert ours.layer_types == ref.config.layer_types == config.layer_types
+    assert ours.sliding_window == ref.config.sliding_window == request.param
+    return s, ours.eval(), ref.eval()
+
+
+@pytest.mark.parametrize("context", [1, 9, 40])
+def test_a_sliding_layer_computes_the_references_hidden_states(sliding, context):
+    from flashdraft.eval.static import layer_visibility
+
+    _, ours, ref = sliding
+    g = torch.Generator().manual_seed(context)
+    hidden = ours.config.hidden_size
+    features = torch.randn(1, context, len(ours.target_layer_ids) * hidden, generator=g)
+    block = torch.randn(1, ours.block_size, hidden, generator=g)
+    positions = torch.arange(context + ours.block_size)[None]
+    with torch.no_grad():
+        theirs = ref(position_ids=positions, noise_embedding=block, target_hidden=features)
+        ctx_kv = ours.context_kv(ours.fuse(features), positions[:, :context])
+        vis = layer_visibility(ours, None, positions[0], positions[0, context:])
+        mine = ours(block, positions[:, context:], ctx_kv, vis)
+        with pytest.raises(ValueError, match="a visibility per layer type"):
+            ours(block, positions[:, context:], ctx_kv, Visibility(None))
+    torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-5)
+
+
+def test_a_sliding_drafter_decodes_with_the_references_acceptance(sliding, monkeypatch):
+    s, ours, ref = sliding
+    monkeypatch.setattr(reference, "_cuda_time", time.perf_counter)
+    target = Target(s.model, ours.target_layer_ids)
+    for prompt in s.prompts:
+        ids = torch.tensor([prompt])
+        theirs = reference.dflash_generate(ref, s.model, ids, 40, None, temperature=0.0, return_stats=True)
+        mine = generate(target, ids, 40, DFlashProposer(ours, target), ours.block_size)
+        assert mine.accept_lengths == theirs.acceptance_lengths
+        assert mine.tokens == theirs.output_ids[0, len(prompt) :].tolist()
+
+
+def test_a_sliding_drafter_decodes_alike_on_fixed_shape_caches(sliding):
+    """The CUDA-graph path (fixed buffers, a mask of the filled prefix; eager on a CPU) restricts the
+    sliding layer as the dynamic path does."""
+    from flashdraft.eval.spec import run_methods
+
+    s, ours, _ = sliding
+    target = Target(s.model, ours.target_layer_ids)
+    prompts = s.prompts[:3]
+    runs = [
+        run_methods(target, ours, prompts, 32, ours.block_size, 0.0, (), 0, None, graphs)
+        for graphs in (False, True)
+    ]
+    dynamic, static = (r["dflash"] for r in runs)
+    assert [g.tokens for g in static] == [g.tokens for g in dynamic]
+    assert [g.accept_lengths for g in static] == [g.accept_lengths for g in dynamic]

@@ -102,15 +102,28 @@ def _anchors_near_the_end(batch, n: int) -> Anchors:
     return Anchors(torch.stack(idx), torch.stack(valid))
 
 
+@pytest.mark.parametrize("window", [None, 5, 12])
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_flex_mask_equals_dense_reference_element_for_element(seed):
+def test_flex_mask_equals_dense_reference_element_for_element(seed, window):
     torch.manual_seed(seed)
     batch = packed_batch([[30, 50, 16], [100], [40]], seq_len=128, seed=seed)
     anchors = _anchors_near_the_end(batch, n=6)
     s, n = 128, 6
-    flex = create_mask(flex_mask_mod(anchors, batch.doc_ids, BLOCK), 3, None, n * BLOCK, s + n * BLOCK, "cpu")
-    dense = dense_visibility(anchors, batch.doc_ids, BLOCK)
+    mod = flex_mask_mod(anchors, batch.doc_ids, BLOCK, window)
+    flex = create_mask(mod, 3, None, n * BLOCK, s + n * BLOCK, "cpu")
+    dense = dense_visibility(anchors, batch.doc_ids, BLOCK, window)
     assert torch.equal(flex, dense)
+
+
+def test_a_sliding_window_layer_sees_its_window_causally():
+    """As the reference package's sliding layers: the query at anchor + q sees keys at positions
+    anchor + q - window + 1 .. anchor + q, its own block causally."""
+    batch = packed_batch([[64]], seq_len=64)
+    anchors = Anchors(torch.tensor([[30]]), torch.tensor([[True]]))
+    m = dense_visibility(anchors, batch.doc_ids, BLOCK, window=4)[0, 0]
+    for q in range(BLOCK):
+        seen = [k for k in range(64) if m[q, k]] + [30 + t for t in range(BLOCK) if m[q, 64 + t]]
+        assert seen == list(range(30 + q - 3, 30 + q + 1)), q
 
 
 def test_dense_reference_encodes_the_visibility_rules():
@@ -183,6 +196,25 @@ def test_structured_block_mask_equals_create_block_mask(seed):
         ref.full_kv_num_blocks, ref.full_kv_indices
     )
     assert any(any(row) for row in tiles(mine.full_kv_num_blocks, mine.full_kv_indices))  # full tiles exist
+
+
+@pytest.mark.parametrize("window", [5, 200])
+def test_a_sliding_structured_mask_attends_as_create_block_mask(window):
+    """With a window every visible tile is partial (the mask_mod decides inside): the tiles differ from
+    flex's own builder, the attention they give does not."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    torch.manual_seed(0)
+    batch = packed_batch([[300, 150, 62], [512], [100, 200]], seq_len=512, seed=0)
+    anchors = _anchors_near_the_end(batch, n=32)
+    mine = structured_block_mask(anchors, batch.doc_ids, batch.position_ids, BLOCK, window=window)
+    mod = flex_mask_mod(anchors, batch.doc_ids, BLOCK, window)
+    ref = create_block_mask(mod, 3, None, 32 * BLOCK, 512 + 32 * BLOCK, device="cpu")
+    q = torch.randn(3, 2, 32 * BLOCK, 16)
+    k, v = torch.randn(2, 3, 2, 512 + 32 * BLOCK, 16)
+    valid = anchors.valid.repeat_interleave(BLOCK, 1)[:, None, :, None]  # padding blocks see nothing
+    torch.testing.assert_close(flex_attention(q, k, v, block_mask=mine) * valid,
+                               flex_attention(q, k, v, block_mask=ref) * valid)  # fmt: skip
 
 
 def test_the_anchor_budget_is_per_document():

@@ -236,6 +236,32 @@ def test_init_from_starts_from_the_source_drafter_and_refuses_one_that_does_not_
     assert not (tmp_path / "c").exists() and not (tmp_path / "d").exists()
 
 
+def test_a_drafter_with_sliding_window_layers_trains_and_saves_them(
+    tmp_path, tiny_target_dir, tiny_tokenizer
+):
+    from flashdraft.config import resolve_config
+    from flashdraft.train.trainer import build_trainer
+
+    data = _token_data(tmp_path / "data", tiny_tokenizer, [70, 90, 120, 60] * 2, seed=10)
+    over = {"data.seq_len": 128, "data.rows_per_batch": 2, "num_anchors": 8, "max_steps": 2}
+    types = {"drafter.layer_types": ["sliding_attention", "full_attention"], "drafter.sliding_window": 16}
+    trainer = build_trainer(
+        resolve_config("tiny_cpu", **over, **types), tiny_target_dir, data, tmp_path / "r", "cpu"
+    )
+    result = trainer.run()
+    loaded = load_drafter(result.checkpoint)
+    assert loaded.layer_types == ["sliding_attention", "full_attention"] and loaded.sliding_window == 16
+    config = json.loads((result.checkpoint / "config.json").read_text())
+    assert config["layer_types"] == loaded.layer_types and config["sliding_window"] == 16
+    for bad, message in [
+        ({"drafter.layer_types": ["sliding_attention"]}, "has 1 entries for 2 layers"),
+        ({"drafter.layer_types": ["sliding_attention", "full_attention"]}, "set drafter.sliding_window"),
+        ({"drafter.sliding_window": 16}, "no drafter.layer_types entry is sliding"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            resolve_config("tiny_cpu", **bad)
+
+
 def test_train_shows_only_its_own_progress_and_no_deprecation_warning(
     tmp_path, tiny_target_dir, tiny_tokenizer
 ):

@@ -55,6 +55,27 @@ class DrafterSpec(_Strict):
     rope_theta: float | None = Field(
         None, gt=0, description="RoPE base; the target's when unset (required for a target without RoPE)"
     )
+    layer_types: list[Literal["full_attention", "sliding_attention"]] | None = Field(
+        None, description="per drafter layer; default every layer full_attention"
+    )
+    sliding_window: int | None = Field(
+        None, ge=2, description="keys a sliding_attention layer's query sees (itself included)"
+    )
+
+    @model_validator(mode="after")
+    def _layers(self) -> DrafterSpec:
+        if self.layer_types is not None and len(self.layer_types) != self.num_layers:
+            raise ValueError(
+                f"drafter.layer_types has {len(self.layer_types)} entries for {self.num_layers} layers"
+            )
+        sliding = "sliding_attention" in (self.layer_types or [])
+        if sliding and self.sliding_window is None:
+            raise ValueError("drafter.layer_types has sliding_attention layers: set drafter.sliding_window")
+        if self.sliding_window is not None and not sliding:
+            raise ValueError(
+                "drafter.sliding_window is set, but no drafter.layer_types entry is sliding_attention"
+            )
+        return self
 
 
 class DataSpec(_Strict):

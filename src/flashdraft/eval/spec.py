@@ -38,8 +38,8 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from flashdraft.eval.ngram import NgramProposer
-from flashdraft.eval.static import Graphs, StaticDFlashProposer, StaticTarget, draft_block
-from flashdraft.model.drafter import DFlashDrafter, Visibility
+from flashdraft.eval.static import Graphs, StaticDFlashProposer, StaticTarget, draft_block, layer_visibility
+from flashdraft.model.drafter import DFlashDrafter
 from flashdraft.model.target import Target, stop_token_ids
 
 
@@ -159,7 +159,10 @@ class DFlashProposer:
         mask = last_token.new_full((1, num_drafts), self.drafter.mask_token_id)
         block = torch.cat([last_token.view(1, 1), mask], dim=1)
         positions = torch.arange(start, start + num_drafts + 1, device=block.device)[None]
-        return draft_block(self.drafter, self.target, block, positions, self.kv, Visibility(None))
+        cached = self.kv[0][0].shape[2] if self.kv else 0  # context rows at positions 0..cached-1
+        keys = torch.cat([torch.arange(cached, device=block.device), positions[0]])
+        vis = layer_visibility(self.drafter, None, keys, positions[0])
+        return draft_block(self.drafter, self.target, block, positions, self.kv, vis)
 
 
 def _verify(

@@ -36,6 +36,24 @@ from flashdraft.model.drafter import DFlashDrafter, Visibility
 from flashdraft.model.target import Target
 
 
+def layer_visibility(
+    drafter: DFlashDrafter, mask: torch.Tensor | None, key_positions: torch.Tensor, positions: torch.Tensor
+) -> Visibility | dict[str, Visibility]:
+    """What a decoding block's queries see: `mask` [Q, K] (None: every key); a drafter with
+    sliding_attention layers gets one per layer type, its sliding layers restricted as the z-lab format
+    and the reference package define them (causal, the query's window of keys, itself included)."""
+    full = Visibility(None if mask is None else mask[None, None])
+    window = drafter.sliding_window
+    if window is None:
+        return full
+    q, k = positions[:, None], key_positions[None]
+    near = (k <= q) & (q - k < window)
+    return {
+        "full_attention": full,
+        "sliding_attention": Visibility((near if mask is None else near & mask)[None, None]),
+    }
+
+
 def draft_block(
     drafter: DFlashDrafter,
     target: Target,
@@ -205,6 +223,6 @@ class StaticDFlashProposer:
         context = torch.arange(self.max_len, device=block.device) < self.start  # filled rows
         mask = torch.cat([context.expand(width, -1), context.new_ones(width, width)], dim=1)
         kv = list(zip(self.keys, self.values, strict=True))
-        return draft_block(
-            self.drafter, self.target, block, positions[None], kv, Visibility(mask[None, None])
-        )
+        keys = torch.cat([torch.arange(self.max_len, device=block.device), positions])
+        vis = layer_visibility(self.drafter, mask, keys, positions)
+        return draft_block(self.drafter, self.target, block, positions[None], kv, vis)

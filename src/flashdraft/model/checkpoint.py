@@ -39,7 +39,7 @@ def zlab_config(drafter: DFlashDrafter) -> dict:
         tie_word_embeddings=False,
         torch_dtype="bfloat16",
         rope_theta=cfg.rope_parameters["rope_theta"],
-        layer_types=["full_attention"] * cfg.num_hidden_layers,
+        layer_types=list(getattr(cfg, "layer_types", None) or ["full_attention"] * cfg.num_hidden_layers),
         num_target_layers=int(cfg.num_target_layers),
         block_size=int(cfg.block_size),
         dflash_config={
@@ -52,6 +52,8 @@ def zlab_config(drafter: DFlashDrafter) -> dict:
     )
     if cfg.rope_parameters.get("rope_type", "default") != "default":  # for loaders that read rope_scaling
         out["rope_scaling"] = {k: v for k, v in cfg.rope_parameters.items() if k != "rope_theta"}
+    sliding = "sliding_attention" in out["layer_types"]  # what Qwen3Config keeps a window for
+    out.update(use_sliding_window=sliding, sliding_window=cfg.sliding_window if sliding else None)
     out.pop("dtype", None)
     return out
 

@@ -162,6 +162,8 @@ class DFlashDrafter(nn.Module):
         self.block_size = int(config.block_size)
         self.mask_token_id = int(config.mask_token_id)
         self.layers = nn.ModuleList(DFlashLayer(config) for _ in range(config.num_hidden_layers))
+        self.layer_types = list(getattr(config, "layer_types", None) or ["full_attention"] * len(self.layers))
+        self.sliding_window = config.sliding_window if "sliding_attention" in self.layer_types else None
         self.norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.fc = nn.Linear(len(self.target_layer_ids) * config.hidden_size, config.hidden_size, bias=False)
         self.hidden_norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
@@ -191,26 +193,33 @@ class DFlashDrafter(nn.Module):
         block_embeds: torch.Tensor,
         block_positions: torch.Tensor,
         ctx_kv: list[tuple[torch.Tensor, torch.Tensor]] | None,
-        visibility: Visibility,
+        visibility: Visibility | dict[str, Visibility],
         target_features: torch.Tensor | None = None,
         ctx_positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Hidden states [b, Q, D] (after the final norm) of the block queries.
 
         block_embeds: target embeddings of the block tokens [b, Q, D]; block_positions [b, Q];
-        visibility: over keys [context | block]. The context comes either as `ctx_kv` (from
-        `context_kv`, as a KV cache holds it at inference) or, in training, as raw tapped
-        `target_features` [b, S, N*D] at `ctx_positions` [b, S], fused here and projected by each layer.
+        visibility: over keys [context | block], or one per layer type when the drafter has
+        sliding_attention layers ({"full_attention": ..., "sliding_attention": ...}). The context
+        comes either as `ctx_kv` (from `context_kv`, as a KV cache holds it at inference) or, in
+        training, as raw tapped `target_features` [b, S, N*D] at `ctx_positions` [b, S], fused here and
+        projected by each layer.
         """
         if ctx_kv is None:
             # each layer projects the context inside its own forward, where a wrapper that gathers a
             # layer's weights around its forward (FSDP2) finds them
             context = self.fuse(target_features)
             ctx_kv = [Context(context, *self.rotary_emb(context, ctx_positions))] * len(self.layers)
+        if self.sliding_window is not None and not isinstance(visibility, dict):
+            raise ValueError(
+                "this drafter has sliding_attention layers: give a visibility per layer type "
+                "({'full_attention': ..., 'sliding_attention': ...})"
+            )
         rope = self.rotary_emb(block_embeds, block_positions)
         x = block_embeds
-        for layer, kv in zip(self.layers, ctx_kv, strict=True):
-            x = layer(x, rope, kv, visibility)
+        for layer, kv, kind in zip(self.layers, ctx_kv, self.layer_types, strict=True):
+            x = layer(x, rope, kv, visibility[kind] if isinstance(visibility, dict) else visibility)
         return self.norm(x)
 
 
@@ -226,6 +235,8 @@ def drafter_config(
     num_key_value_heads: int | None = None,
     head_dim: int | None = None,
     rope_theta: float | None = None,
+    layer_types: list[str] | None = None,
+    sliding_window: int | None = None,
 ) -> Qwen3Config:
     """The drafter's Qwen3Config. Its width is the target's (it reuses the target's embedding and lm_head
     and reads its hidden states); heads, head size, MLP width and RoPE default to the target's text config
@@ -257,6 +268,9 @@ def drafter_config(
         rope_parameters=drafter_rope(text, rope_theta),
         attention_bias=False,
         tie_word_embeddings=False,
+        layer_types=list(layer_types or ["full_attention"] * num_layers),
+        sliding_window=sliding_window,
+        use_sliding_window=sliding_window is not None,
     )
     cfg.target_layer_ids = ids
     cfg.num_target_layers = n_target

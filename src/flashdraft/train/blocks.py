@@ -186,8 +186,12 @@ def make_blocks(
     return Blocks(block_ids.view(b, -1), positions.view(b, -1), labels, weights)
 
 
-def flex_mask_mod(anchors: Anchors, doc_ids: torch.Tensor, block_size: int):
-    """mask_mod for flex_attention over keys [context (S) | blocks (n*B)]."""
+def flex_mask_mod(anchors: Anchors, doc_ids: torch.Tensor, block_size: int, window: int | None = None):
+    """mask_mod for flex_attention over keys [context (S) | blocks (n*B)].
+
+    window: a sliding-window layer, as the z-lab format and the reference package define one: causal
+    (block slot q sees its own block's slots 0..q) and a key at most window - 1 positions before the
+    query (query at anchor + q)."""
     s = doc_ids.shape[1]
     index, valid = anchors.index, anchors.valid
 
@@ -198,13 +202,22 @@ def flex_mask_mod(anchors: Anchors, doc_ids: torch.Tensor, block_size: int):
         ctx_kv = torch.clamp(kv_idx, max=s - 1)
         sees_ctx = in_ctx & (kv_idx < anchor) & (doc_ids[b, ctx_kv] == doc_ids[b, anchor])
         sees_own_block = ~in_ctx & ((kv_idx - s) // block_size == j)
+        if window is not None:
+            q, t = q_idx % block_size, (kv_idx - s) % block_size
+            sees_ctx = sees_ctx & (anchor + q - kv_idx < window)
+            sees_own_block = sees_own_block & (t <= q) & (q - t < window)
         return valid[b, j] & (sees_ctx | sees_own_block)
 
     return mask_mod
 
 
 def structured_block_mask(
-    anchors: Anchors, doc_ids: torch.Tensor, position_ids: torch.Tensor, block_size: int, tile: int = 128
+    anchors: Anchors,
+    doc_ids: torch.Tensor,
+    position_ids: torch.Tensor,
+    block_size: int,
+    tile: int = 128,
+    window: int | None = None,
 ) -> BlockMask:
     """The BlockMask of `flex_mask_mod`, built straight from the block structure with a few tensor
     ops instead of evaluating the mask_mod everywhere.
@@ -214,6 +227,9 @@ def structured_block_mask(
     the structure is simple: draft block j sees the keys [doc_start(anchor_j), anchor_j) of the
     context, one contiguous range, and its own block. Needs tile % block_size == 0 and
     S % tile == 0 == n*B % tile (flex_block_mask checks and otherwise uses create_block_mask).
+    With a sliding `window` the context range starts window - 1 before the anchor at the earliest, and
+    every tile with a visible key is partial (the mask_mod decides within it: the range moves with the
+    slot, and the own block is causal).
     """
     b, s = doc_ids.shape
     n = anchors.index.shape[1]
@@ -221,6 +237,8 @@ def structured_block_mask(
     q_tiles, c_tiles = n // group, s // tile
     a = anchors.index
     lo = a - position_ids.gather(1, a)  # the anchor's document starts here (positions restart per doc)
+    if window is not None:
+        lo = torch.maximum(lo, a - window + 1)
     hi = torch.where(anchors.valid, a, lo)  # a padding block sees nothing
     starts = torch.arange(c_tiles, device=a.device) * tile
     seen = (torch.minimum(hi[..., None], starts + tile) - torch.maximum(lo[..., None], starts)).clamp(min=0)
@@ -230,7 +248,9 @@ def structured_block_mask(
     any_valid = anchors.valid.view(b, q_tiles, group).any(dim=2)
     own = torch.eye(q_tiles, dtype=torch.bool, device=a.device) & any_valid[..., None]
     no_own = torch.zeros_like(own)
-    own_full = group == 1 and block_size == tile
+    own_full = group == 1 and block_size == tile and window is None
+    if window is not None:
+        part_ctx, full_ctx = part_ctx | full_ctx, torch.zeros_like(full_ctx)
     partial = torch.cat([part_ctx, no_own if own_full else own], dim=2)[:, None]
     full = torch.cat([full_ctx, own if own_full else no_own], dim=2)[:, None]
 
@@ -242,7 +262,7 @@ def structured_block_mask(
         *indices(partial),
         *indices(full),
         BLOCK_SIZE=tile,
-        mask_mod=flex_mask_mod(anchors, doc_ids, block_size),
+        mask_mod=flex_mask_mod(anchors, doc_ids, block_size, window),
         seq_lengths=(n * block_size, s + n * block_size),
     )
 
@@ -252,15 +272,20 @@ def fits_structured(seq_len: int, num_blocks: int, block_size: int, tile: int = 
 
 
 def flex_block_mask(
-    anchors: Anchors, doc_ids: torch.Tensor, block_size: int, compiled: bool, position_ids: torch.Tensor
+    anchors: Anchors,
+    doc_ids: torch.Tensor,
+    block_size: int,
+    compiled: bool,
+    position_ids: torch.Tensor,
+    window: int | None = None,
 ) -> BlockMask:
     if fits_structured(doc_ids.shape[1], anchors.index.shape[1], block_size):
-        return structured_block_mask(anchors, doc_ids, position_ids, block_size)
+        return structured_block_mask(anchors, doc_ids, position_ids, block_size, window=window)
     b, s = doc_ids.shape
     q_len = anchors.index.shape[1] * block_size
     build = _compiled_create_block_mask if compiled else create_block_mask
     return build(
-        flex_mask_mod(anchors, doc_ids, block_size),
+        flex_mask_mod(anchors, doc_ids, block_size, window),
         B=b,
         H=None,
         Q_LEN=q_len,
@@ -269,8 +294,10 @@ def flex_block_mask(
     )
 
 
-def dense_visibility(anchors: Anchors, doc_ids: torch.Tensor, block_size: int) -> torch.Tensor:
-    """Reference: bool [b, 1, n*B, S + n*B], built block by block from the rules."""
+def dense_visibility(
+    anchors: Anchors, doc_ids: torch.Tensor, block_size: int, window: int | None = None
+) -> torch.Tensor:
+    """Reference: bool [b, 1, n*B, S + n*B], built block by block from the rules (`flex_mask_mod`)."""
     b, s = doc_ids.shape
     n = anchors.index.shape[1]
     q_len = n * block_size
@@ -284,4 +311,11 @@ def dense_visibility(anchors: Anchors, doc_ids: torch.Tensor, block_size: int) -
             same_doc_before = doc_ids[r, :a] == doc_ids[r, a]  # strictly before the anchor
             mask[r, 0, rows, :a] = same_doc_before
             mask[r, 0, rows, s + j * block_size : s + (j + 1) * block_size] = True
+            if window is not None:
+                for q in range(block_size):  # the query at a + q: keys after a + q - window, causal
+                    row = mask[r, 0, j * block_size + q]
+                    row[: max(0, a + q - window + 1)] = False
+                    own = s + j * block_size
+                    row[own + q + 1 : own + block_size] = False
+                    row[own : own + max(0, q - window + 1)] = False
     return mask

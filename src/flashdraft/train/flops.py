@@ -75,7 +75,10 @@ def step_flops(
     target = seq_len * sum(per_layer + 4 * mean_keys(c, i, seq_len) * qd for i in range(kept_layers))
     draft_qd = dc.num_attention_heads * dc.head_dim
     per_pos = 6 * layer_matmul_params(dc) * dc.num_hidden_layers
-    per_pos += 3 * 4 * draft_qd * (seq_len / 2) * dc.num_hidden_layers
+    kinds = getattr(dc, "layer_types", None) or ["full_attention"] * dc.num_hidden_layers
+    window = getattr(dc, "sliding_window", None) or seq_len
+    keys = [min(window, seq_len / 2) if k == "sliding_attention" else seq_len / 2 for k in kinds]
+    per_pos += 3 * 4 * draft_qd * sum(keys)  # keys a query sees, on average: half the row, or the window
     head = head_positions * 4 * c.hidden_size * c.vocab_size
     n_taps = len(dc.target_layer_ids)
     kv = 2 * c.hidden_size * dc.num_key_value_heads * dc.head_dim

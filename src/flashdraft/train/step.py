@@ -127,11 +127,22 @@ def acceptance_map(
     return accepted
 
 
-def visibility_for(mb: MicroBatch, block_size: int, attention: str, compiled: bool) -> Visibility:
-    if attention == "flex":
-        mask = flex_block_mask(mb.anchors, mb.batch.doc_ids, block_size, compiled, mb.batch.position_ids)
-        return Visibility(mask, compiled)
-    return Visibility(dense_visibility(mb.anchors, mb.batch.doc_ids, block_size))
+def visibility_for(
+    mb: MicroBatch, block_size: int, attention: str, compiled: bool, window: int | None = None
+) -> Visibility | dict[str, Visibility]:
+    """The block queries' visibility; with a sliding `window`, one per layer type."""
+
+    def one(w: int | None) -> Visibility:
+        if attention == "flex":
+            b = mb.batch
+            return Visibility(
+                flex_block_mask(mb.anchors, b.doc_ids, block_size, compiled, b.position_ids, w), compiled
+            )
+        return Visibility(dense_visibility(mb.anchors, mb.batch.doc_ids, block_size, w))
+
+    if window is None:
+        return one(None)
+    return {"full_attention": one(None), "sliding_attention": one(window)}
 
 
 def target_features(target: Target, batch: PackedBatch, plain_causal: bool = False, final: bool = False):
@@ -170,7 +181,8 @@ def micro_step_loss(
         with timer("target_forward"):
             feats = target_features(target, mb.batch)
     with timer("block_mask"):
-        vis = visibility_for(mb, mb.blocks.labels.shape[-1], kernels.attention, kernels.compiled)
+        window = getattr(drafter, "module", drafter).sliding_window  # a DDP wrapper holds it as .module
+        vis = visibility_for(mb, mb.blocks.labels.shape[-1], kernels.attention, kernels.compiled, window)
     with timer("drafter_forward"):
         with torch.no_grad():  # the block's input: the target's (frozen) token embeddings
             block_embeds = target.embed(mb.blocks.input_ids).to(feats.dtype)

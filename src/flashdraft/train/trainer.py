@@ -165,6 +165,8 @@ def with_init_from(cfg: TrainConfig, target_config) -> TrainConfig:
         "num_attention_heads": raw["num_attention_heads"],
         "num_key_value_heads": raw["num_key_value_heads"],
         "head_dim": raw["head_dim"],
+        "layer_types": list(raw.get("layer_types") or ["full_attention"] * raw["num_hidden_layers"]),
+        "sliding_window": raw.get("sliding_window") if raw.get("use_sliding_window") else None,
     }
     given = cfg.drafter.model_fields_set
     conflicts = [
@@ -197,6 +199,8 @@ def build_drafter(cfg: TrainConfig, model, tokenizer, device) -> DFlashDrafter:
         num_key_value_heads=spec.num_key_value_heads,
         head_dim=spec.head_dim,
         rope_theta=spec.rope_theta,
+        layer_types=spec.layer_types,
+        sliding_window=spec.sliding_window,
     )
     drafter = DFlashDrafter(dcfg).to(device=device, dtype=torch.float32)
     std = getattr(model.config.get_text_config(), "initializer_range", None) or 0.02
