@@ -269,10 +269,6 @@ class RunConfig(TrainConfig):
                 )
         return self
 
-    @property
-    def recipe(self) -> TrainConfig:
-        return TrainConfig.model_validate(self.model_dump(exclude={"run", "record"}))
-
 
 PRESETS: dict[str, dict[str, Any]] = {
     "default": {},

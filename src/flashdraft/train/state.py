@@ -82,7 +82,8 @@ def check_resumable(saved: dict, cfg: TrainConfig, micro_per_step: int, where: P
             f"cannot resume from {where}: it ran {saved['micro_per_step']} micro-batches per step "
             f"(grad_accum x drafter ranks), this run has {micro_per_step}; keep the global batch"
         )
-    for key in ("optim", "max_steps", "log_every", "save_every", "keep_last", "eval_every", "eval_prompts"):
+    changeable = ("optim", "distill", "max_steps", "log_every", "save_every", "keep_last", "eval_every")
+    for key in (*changeable, "eval_prompts"):
         if saved["config"].get(key) != now.get(key):
             log.warning("resume: %s changed from %s to %s", key, saved["config"].get(key), now.get(key))
 
