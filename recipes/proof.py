@@ -36,6 +36,7 @@ from rich.table import Table
 
 from flashdraft.config import set_dotted
 from flashdraft.demo.pipeline import Scale, StageClock, prepare
+from flashdraft.eval.reference import reference_tau
 
 # The drafter both H200 proofs train (3 layers, 5 taps, 8 rows of 2,048 tokens, 256 anchors a row)
 H200_DRAFTER = {
@@ -197,30 +198,6 @@ def finish_drafter(run: DrafterRun) -> dict:
         result["val_during_training"] = [[m["step"], *(m[k] for k in keys)] for m in vals]
         result |= {k: vals[-1][k] for k in (*keys, "val_acc_per_slot", "val_docs")}
     return result
-
-
-def reference_tau(
-    export_dir: Path, target_dir: Path, prompt_ids: list[list[int]], max_new: int, device
-) -> dict:
-    """Greedy tau of the exported drafter decoded by the reference `dflash` package (z-lab)."""
-    import dflash.model
-    from dflash.model import DFlashDraftModel, dflash_generate
-
-    from flashdraft.eval.spec import mean_tau
-    from flashdraft.model.target import load_target, stop_token_ids
-
-    if torch.device(device).type == "cpu":  # its stats timer calls torch.cuda.synchronize()
-        dflash.model._cuda_time = time.perf_counter
-    model, tokenizer = load_target(target_dir, device)
-    ref = DFlashDraftModel.from_pretrained(str(export_dir), dtype=model.dtype).to(device).eval()
-    stops = stop_token_ids(model, tokenizer)
-    taus = []
-    for ids in prompt_ids:
-        x = torch.tensor([ids], device=device)
-        out = dflash_generate(ref, model, x, max_new, stops, temperature=0.0, return_stats=True)
-        lengths = out.acceptance_lengths
-        taus.append(sum(lengths) / len(lengths) if lengths else float("nan"))
-    return {"tau": mean_tau(taus), "tau_per_sample": taus}
 
 
 def train_drafters(

@@ -157,3 +157,31 @@ def test_a_sliding_drafter_decodes_alike_on_fixed_shape_caches(sliding):
     dynamic, static = (r["dflash"] for r in runs)
     assert [g.tokens for g in static] == [g.tokens for g in dynamic]
     assert [g.accept_lengths for g in static] == [g.accept_lengths for g in dynamic]
+
+
+def test_the_real_target_flow_sets_the_reference_package_beside_our_eval(tiny_target_dir, tmp_path):
+    """The proof's reference stage (flashdraft.demo.real_target): our checkpoint exported, decoded by
+    the reference package on chat prompts, each prompt's tau set against ours."""
+    import dataclasses
+
+    from flashdraft.demo.real_target import CPU, reference_on_prompts
+    from flashdraft.eval.report import compare_methods
+    from flashdraft.model.checkpoint import write_zlab
+    from flashdraft.model.drafter import DFlashDrafter, drafter_config
+    from flashdraft.model.target import load_target
+    from flashdraft.train.trainer import init_drafter_
+
+    model, _ = load_target(tiny_target_dir)
+    drafter = DFlashDrafter(drafter_config(model.config, 1, None, 2, 8, 3))
+    init_drafter_(drafter, 0.1, seed=0)
+    (tmp_path / "ckpt").mkdir()
+    write_zlab(drafter, tmp_path / "ckpt")
+    records = [{"messages": [{"role": "user", "content": t}]} for t in ("def main():", "import os", "x = 1")]
+    scale = dataclasses.replace(CPU, eval_tokens=12)
+    report = compare_methods(
+        tiny_target_dir, tmp_path / "ckpt", [r["messages"] for r in records], 12, device="cpu"
+    )
+    ours = report["dflash"]["tau_per_sample"]
+    ref = reference_on_prompts(tmp_path / "ckpt", tiny_target_dir, tmp_path, records, scale, ours)
+    assert ref["samples_with_our_tau"] == 3 and ref["tau"] == pytest.approx(ref["our_tau"])
+    assert (tmp_path / "export" / "zlab" / "config.json").is_file()

@@ -286,11 +286,12 @@ def run_real_target(
             scale.device,
             overwrite=True,
         )
-        _synchronized(probe.train_step())
+        probe.train_step()
+        _synchronize()
         startup_s, t1 = time.time() - t0, time.time()
         for _ in range(scale.calibration_steps):
-            stats = probe.train_step()
-        _synchronized(stats)
+            probe.train_step()
+        _synchronize()
         step_s = (time.time() - t1) / scale.calibration_steps
         available = len(probe.stream)
         probe.close()
@@ -350,8 +351,8 @@ def run_real_target(
     return summary
 
 
-def _synchronized(stats) -> None:
-    """Wait for a step's device work (train_step returns before it is done)."""
+def _synchronize() -> None:
+    """Wait for the steps' device work (train_step returns before it is done)."""
     import torch
 
     if torch.cuda.is_available():
@@ -371,7 +372,7 @@ def reference_on_prompts(
 ) -> dict:
     """The drafter exported to the z-lab layout and decoded by the reference `dflash` package at T = 0 on
     `records`, with how many prompts get our tau exactly."""
-    from flashdraft.demo.proof import reference_tau
+    from flashdraft.eval.reference import reference_tau
     from flashdraft.eval.spec import encode_prompt
     from flashdraft.export.formats import export_checkpoint
     from flashdraft.model.target import load_tokenizer

@@ -139,7 +139,7 @@ def drafter_and_packing(cfg: TrainConfig, model, tokenizer, topo: Topology) -> t
 def with_init_from(cfg: TrainConfig, target_config) -> TrainConfig:
     """`cfg` with the drafter shape of its init_from directory (a z-lab drafter, validated as an export
     is), checked against the target; a drafter setting given in the config that differs is an error."""
-    from flashdraft.export.formats import read_zlab
+    from flashdraft.export.formats import block_size_of, read_zlab
 
     source = Path(cfg.init_from)
     raw, _ = read_zlab(source)
@@ -159,7 +159,7 @@ def with_init_from(cfg: TrainConfig, target_config) -> TrainConfig:
         "num_layers": raw["num_hidden_layers"],
         "target_layer_ids": ids,
         "num_taps": len(ids),
-        "block_size": int(raw.get("block_size") or raw["dflash_config"]["block_size"]),
+        "block_size": block_size_of(raw),
         "mask_token_id": raw["dflash_config"]["mask_token_id"],
         "intermediate_size": raw["intermediate_size"],
         "num_attention_heads": raw["num_attention_heads"],

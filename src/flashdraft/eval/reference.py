@@ -1,0 +1,33 @@
+"""Decoding with the reference `dflash` package (z-lab, `pip install --no-deps dflash==0.1.0`): the
+check that an exported drafter gives the reference implementation the acceptance it gives ours."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+
+
+def reference_tau(
+    export_dir: Path, target_dir: Path, prompt_ids: list[list[int]], max_new: int, device
+) -> dict:
+    """Greedy tau of the exported drafter decoded by the reference `dflash` package (z-lab)."""
+    import dflash.model
+    from dflash.model import DFlashDraftModel, dflash_generate
+
+    from flashdraft.eval.spec import mean_tau
+    from flashdraft.model.target import load_target, stop_token_ids
+
+    if torch.device(device).type == "cpu":  # its stats timer calls torch.cuda.synchronize()
+        dflash.model._cuda_time = time.perf_counter
+    model, tokenizer = load_target(target_dir, device)
+    ref = DFlashDraftModel.from_pretrained(str(export_dir), dtype=model.dtype).to(device).eval()
+    stops = stop_token_ids(model, tokenizer)
+    taus = []
+    for ids in prompt_ids:
+        x = torch.tensor([ids], device=device)
+        out = dflash_generate(ref, model, x, max_new, stops, temperature=0.0, return_stats=True)
+        lengths = out.acceptance_lengths
+        taus.append(sum(lengths) / len(lengths) if lengths else float("nan"))
+    return {"tau": mean_tau(taus), "tau_per_sample": taus}
