@@ -9,6 +9,8 @@ on the z-lab export. OUT/summary.json after every stage; the same command contin
 
     python scripts/smollm2_proof.py --out /root/keep/proof --minutes 8.5 --stop-after drafter  # call 1
     python scripts/smollm2_proof.py --out /root/keep/proof --minutes 9                           # call 2
+    # a drafter trained 14 minutes over calls 1 and 2 (each resumes the last one's checkpoint), evals in 3:
+    python scripts/smollm2_proof.py --out OUT --minutes 9.3 --drafter-minutes 14 --stop-after drafter
     python scripts/smollm2_proof.py --out /tmp/smoke --smoke   # minutes on a CPU, to check the flow
     python scripts/smollm2_proof.py --out OUT --train data.rows_per_batch=32 --train distill=0.5  # variants
 
@@ -37,6 +39,12 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true", help="tiny counts on the CPU: check the flow only")
     ap.add_argument("--humaneval", type=int, help="HumanEval problems in the eval (default: the scale's)")
     ap.add_argument(
+        "--drafter-minutes",
+        type=float,
+        help="train the drafter this long over this call and the next ones (the same command resumes it); "
+        "default: what this call has left",
+    )
+    ap.add_argument(
         "--train",
         action="append",
         default=[],
@@ -47,6 +55,8 @@ def main() -> None:
     scale = SMOKE if args.smoke else H200
     if args.humaneval is not None:
         scale = dataclasses.replace(scale, humaneval=args.humaneval)
+    if args.drafter_minutes is not None:
+        scale = dataclasses.replace(scale, drafter_minutes=args.drafter_minutes)
     try:
         train = dict(key_value("--train", item, "data.rows_per_batch=32") for item in args.train)
         resolve_config(scale.preset, **{**scale.train, **train})  # checked before anything runs

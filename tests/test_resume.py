@@ -46,6 +46,24 @@ def test_resumed_run_ends_bitwise_equal_to_an_uninterrupted_one(tmp_path, tiny_t
     assert (out / "checkpoints" / "LATEST").read_text().strip() == "step_000006"
 
 
+def test_a_run_trained_in_slices_with_until_ends_equal_to_the_whole_run(tmp_path, tiny_target_dir, data_dir):
+    whole = build_trainer(_cfg(), tiny_target_dir, data_dir, tmp_path / "whole", device="cpu")
+    whole.run()
+    out = tmp_path / "sliced"
+    first = build_trainer(_cfg(), tiny_target_dir, data_dir, out, device="cpu")
+    part = first.run(until=3)
+    assert (part.steps, first.step) == (3, 3) and not (out / "result.json").exists()
+    first.close()
+    second = build_trainer(_cfg(), tiny_target_dir, data_dir, out, device="cpu", resume=True)
+    with pytest.raises(ValueError, match="until=3: must lie after step 3"):
+        second.run(until=3)
+    assert second.run().steps == 6
+    expected, got = _weights(whole), _weights(second)
+    assert all(torch.equal(got[k], expected[k]) for k in expected)
+    steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [2, 3, 4, 6]  # the slice's last step is logged once; the log goes on after it
+
+
 def test_resume_refuses_a_changed_model_or_data_stream(tmp_path, tiny_target_dir, data_dir):
     out = tmp_path / "run"
     t = build_trainer(_cfg(), tiny_target_dir, data_dir, out, device="cpu")

@@ -435,3 +435,18 @@ def test_attention_is_flex_on_a_gpu_dense_on_a_cpu_and_a_flex_head_below_16_is_r
         resolve_attention("flex", cpu, 128)
     with pytest.raises(ValueError, match="head size of at least 16, the drafter's is 8"):  # seen on the H200
         resolve_attention("auto", cuda, 8)
+
+
+def test_train_until_stops_with_a_checkpoint_that_resume_continues(tmp_path, tiny_target_dir, tiny_tokenizer):
+    data = _token_data(tmp_path / "data", tiny_tokenizer, [70, 90, 120, 60, 100, 80] * 2, seed=5)
+    run = tmp_path / "run"
+    args = ["train", "--target", str(tiny_target_dir), "--data", str(data), "--preset", "tiny_cpu"]
+    args += ["--max-steps", "4"]
+    first = CliRunner().invoke(app, [*args, "--out", str(run), "--until", "2"])
+    assert first.exit_code == 0, first.output
+    assert "stopped at step 2 of 4 (--until)" in first.output and f"--resume {run} continues" in first.output
+    assert (run / "checkpoints" / "LATEST").read_text().strip() == "step_000002"
+    late = CliRunner().invoke(app, [*args, "--resume", str(run), "--until", "2"])
+    assert late.exit_code == 2 and "--until 2: the run is at step 2 of 4" in late.output
+    rest = CliRunner().invoke(app, [*args, "--resume", str(run)])
+    assert rest.exit_code == 0 and "done: 4 steps" in rest.output, rest.output

@@ -190,7 +190,7 @@ def run_bench(
     startup = time.perf_counter() - t_start
     try:
         if not topo.is_drafter:
-            trainer.serve()
+            trainer.serve(cfg.max_steps)
             topo.gather_objects(_rank_info(topo, dev, startup, None))
             return None
         r = _drafter_bench(trainer, dev, steps, warmup)

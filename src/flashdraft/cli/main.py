@@ -35,6 +35,11 @@ def train(
     preset: str = typer.Option("default", help="named preset: default, tiny_cpu, finetune, qwen3_8b_h200"),
     max_steps: int | None = typer.Option(None, help="stop after this many optimizer steps"),
     save_every: int | None = typer.Option(None, help="checkpoint every N steps (and at the end)"),
+    until: int | None = typer.Option(
+        None,
+        help="stop after this step with a checkpoint that --resume continues (a slice of the run, for an "
+        "allocation shorter than it: the schedule is the whole run's)",
+    ),
     seed: int | None = typer.Option(None, help="random seed"),
     device: str | None = typer.Option(None, help="cpu or cuda (default: cuda when visible)"),
     layout: str | None = typer.Option(
@@ -127,13 +132,15 @@ def train(
         cfg = resolve_run_config(preset, config, **over, **{f"run.{k}": v for k, v in run.items()})
         out = Path(cfg.run.out)
         trainer = build(cfg)
+        if until is not None and not trainer.step < until <= trainer.total_steps:
+            raise ValueError(f"--until {until}: the run is at step {trainer.step} of {trainer.total_steps}")
     except (ValueError, OSError) as e:
         _fail(str(e))
     from flashdraft.train.state import MirrorIncomplete, NonFiniteError
     from flashdraft.train.trainer import Interrupted
 
     try:
-        result = _run_with_progress(trainer, cfg.log_every)
+        result = _run_with_progress(trainer, cfg.log_every, until)
     except Interrupted as e:
         trainer.close()
         _fail(str(e), code=130)
@@ -147,7 +154,12 @@ def train(
         trainer.close()
         last = latest_checkpoint(Path(out) / "checkpoints")
         _fail(f"{e}; the last complete checkpoint: {last or 'none'}", code=1)
-    if result is not None and trainer.topo.is_main:
+    if result is not None and trainer.topo.is_main and result.steps < trainer.total_steps:
+        typer.echo(
+            f"stopped at step {result.steps} of {trainer.total_steps} (--until): checkpoint "
+            f"{result.checkpoint}; --resume {out} continues"
+        )
+    elif result is not None and trainer.topo.is_main:
         typer.echo(
             f"done: {result.steps} steps, loss {result.first_loss:.4f} -> {result.final_loss:.4f}; "
             f"checkpoint {result.checkpoint}"
@@ -211,17 +223,18 @@ def _launch(nproc: int) -> None:
     torchrun(["--standalone", f"--nproc-per-node={nproc}", "-m", "flashdraft.cli.main", *cleaned])
 
 
-def _run_with_progress(trainer, every: int):
+def _run_with_progress(trainer, every: int, until: int | None = None):
     """A rich progress bar on an interactive terminal (main rank), plain lines otherwise."""
     if not (sys.stderr.isatty() and trainer.topo.is_main):
-        return trainer.run(progress=_print_progress(every))
+        return trainer.run(progress=_print_progress(every), until=until)
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
     columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn()]
     with Progress(*columns, transient=False) as bar:
         task = bar.add_task("training", total=trainer.total_steps, completed=trainer.step)
         return trainer.run(
-            progress=lambda s, n, loss: bar.update(task, completed=s, description=f"loss {loss:.4f}")
+            progress=lambda s, n, loss: bar.update(task, completed=s, description=f"loss {loss:.4f}"),
+            until=until,
         )
 
 

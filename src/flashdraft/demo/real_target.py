@@ -14,7 +14,9 @@ Stages, each written under OUT and skipped when a later run finds its output com
 4. data: `data prepare` shards;
 5. drafter: `flashdraft train` for the time left before the evals, at the step time measured here
    (three calibration steps); the evals' time is planned from the target's decoding step and verify
-   forward, timed on this machine in stage 2 (at the worst case, a cycle that accepts nothing);
+   forward, timed on this machine in stage 2 (at the worst case, a cycle that accepts nothing). With
+   `drafter_minutes` the run is planned for that long and trained in slices (`run(until=...)`), each
+   call resuming the last one's checkpoint, until it is done;
 6. eval: `flashdraft eval`'s report (DFlash, n-gram, plain decoding) at T = 0 (and T = 1) on HumanEval
    and on the held-out prompts;
 7. reference (GPU scale): the drafter exported to the z-lab layout and decoded by the reference `dflash`
@@ -62,6 +64,7 @@ class RealScale:
     calibration_steps: int = 3  # timed after one untimed step (compilation)
     cuda_graphs: bool = False
     reference_prompts: int = 0  # HumanEval prompts decoded by the reference `dflash` package at T = 0
+    drafter_minutes: float | None = None  # training time over this and later calls (None: what this has left)
 
 
 CODE_SYSTEM = "You are an expert Python programmer. The user asks you to write, fix or explain Python code."
@@ -276,49 +279,48 @@ def run_real_target(
         # plain, DFlash and n-gram at one token a cycle (the worst case), and the loads
         eval_s = 0 if evals_later else cycles * (summary["decode_step_s"] + 2 * summary["verify_s"]) + 30
         settings = {**scale.train, "drafter.mask_token_id": tokenizer.convert_tokens_to_ids(MASK_TOKEN)}
-        calibration = resolve_config(scale.preset, **settings, max_steps=scale.calibration_steps + 1)
-        t0 = time.time()
-        probe = build_trainer(
-            calibration,
-            str(target_dir),
-            str(data_dir),
-            str(out / "calibration"),
-            scale.device,
-            overwrite=True,
-        )
-        probe.train_step()
-        _synchronize()
-        startup_s, t1 = time.time() - t0, time.time()
-        for _ in range(scale.calibration_steps):
-            probe.train_step()
-        _synchronize()
-        step_s = (time.time() - t1) / scale.calibration_steps
-        available = len(probe.stream)
-        probe.close()
+        if "drafter_plan" not in summary:
+            summary["drafter_plan"] = _calibrate(scale, settings, target_dir, data_dir, out)
+        plan = summary["drafter_plan"]
+        step_s, startup_s = plan["step_s"], plan["startup_s"]
         left = budget - clock.since_start() - eval_s - startup_s
-        steps = min(available, max(10, int(left / step_s)))
+        if scale.drafter_minutes is None:
+            steps = min(plan["available"], max(10, int(left / step_s)))
+        else:  # the whole run's steps, trained over this call and the next ones
+            steps = min(plan["available"], max(10, int(60 * scale.drafter_minutes / step_s)))
+        steps = plan.setdefault("steps", steps)
         cfg = resolve_config(scale.preset, **settings, max_steps=steps)
-        trainer = build_trainer(
-            cfg, str(target_dir), str(data_dir), str(out / "run"), scale.device, overwrite=True
-        )
+        run_dir = out / "run"
+        resume = (run_dir / "checkpoints" / "LATEST").is_file()
+        paths = (str(target_dir), str(data_dir), str(run_dir))
+        trainer = build_trainer(cfg, *paths, scale.device, resume=resume, overwrite=not resume)
+        until = min(steps, trainer.step + max(1, int(left / step_s)))
         with console.status(
-            f"the drafter trains for {steps} steps ({step_s:.3f} s a step): flashdraft train"
+            f"the drafter trains steps {trainer.step + 1}-{until} of {steps} ({step_s:.3f} s a step): "
+            "flashdraft train"
         ):
-            result = trainer.run()
+            result = trainer.run(until=until)
         tokens = sum(trainer.stream[m].num_tokens for m in range(result.steps))  # one micro-batch a step
         trainer.close()
         console.print(
-            f"drafter: loss {result.first_loss:.3f} -> {result.final_loss:.3f} in {result.steps} steps"
+            f"drafter: loss {result.first_loss:.3f} -> {result.final_loss:.3f}; step {result.steps}/{steps}"
         )
         drafter = {
             "drafter_steps": result.steps,
             "drafter_step_s": round(step_s, 4),
             "drafter_startup_s": round(startup_s, 1),
             "drafter_tokens": tokens,
-            "drafter_loss": [result.first_loss, result.final_loss],
+            "drafter_loss": [summary.get("drafter_loss", [result.first_loss])[0], result.final_loss],
             "checkpoint": str(result.checkpoint),
             "eval_planned_s": round(eval_s),
         }
+        if result.steps < steps:  # the rest in the next call, resumed from this checkpoint
+            clock.lap("drafter")
+            seconds["drafter_s"] = round(seconds.get("drafter_s", 0) + clock.laps["drafter"], 1)
+            summary.update(drafter, wall_s=round(sum(seconds.values()), 1))
+            _write_lines(summary_path, [summary])
+            console.print(f"the drafter goes on from step {result.steps} in the next call (same command)")
+            return summary
         if done("drafter", **drafter):
             return summary
 
@@ -349,6 +351,29 @@ def run_real_target(
         done("reference", reference=ref)
     console.print(f"finished: {summary['wall_s']:.0f} s over all calls; summary in {summary_path}")
     return summary
+
+
+def _calibrate(scale: RealScale, settings: dict, target_dir: Path, data_dir: Path, out: Path) -> dict:
+    """The drafter's start-up and step time on this machine, timed on a throwaway run, and the steps the
+    data holds."""
+    from flashdraft.config import resolve_config
+    from flashdraft.train.trainer import build_trainer
+
+    calibration = resolve_config(scale.preset, **settings, max_steps=scale.calibration_steps + 1)
+    t0 = time.time()
+    probe = build_trainer(
+        calibration, str(target_dir), str(data_dir), str(out / "calibration"), scale.device, overwrite=True
+    )
+    probe.train_step()
+    _synchronize()
+    startup_s, t1 = time.time() - t0, time.time()
+    for _ in range(scale.calibration_steps):
+        probe.train_step()
+    _synchronize()
+    step_s = (time.time() - t1) / scale.calibration_steps
+    available = len(probe.stream)
+    probe.close()
+    return {"step_s": step_s, "startup_s": startup_s, "available": available}
 
 
 def _synchronize() -> None:

@@ -490,27 +490,31 @@ class Trainer:
         for t in (stats.loss_sum, stats.correct, stats.counted, stats.accepted, stats.blocks):
             self.topo.drafter_sum_(t)
 
-    def serve(self) -> None:
-        """Target rank of a split layout: compute and send features for every step of the run."""
+    def serve(self, until: int) -> None:
+        """Target rank of a split layout: compute and send features for every step up to `until`."""
         per_step = self.spec.micro_per_step
         start = self.step * per_step
         feats = lambda batch, plain: target_features(self.target, batch, plain)  # noqa: E731
-        serve_features(
-            self.topo, feats, self.stream, self.total_steps * per_step, self.message_shape(), start
-        )
+        serve_features(self.topo, feats, self.stream, until * per_step, self.message_shape(), start)
 
-    def run(self, progress=None) -> TrainResult | None:
-        """Train to `total_steps`; checkpoints every `save_every` steps and at the end (main rank)."""
+    def run(self, progress=None, until: int | None = None) -> TrainResult | None:
+        """Train to `total_steps`; checkpoints every `save_every` steps and at the end (main rank).
+
+        until: stop after this step instead, with a checkpoint that `--resume` continues from (a slice of
+        the run, for allocations shorter than the run); the schedule stays that of `total_steps`."""
+        if until is not None and not self.step < until <= self.total_steps:
+            raise ValueError(f"until={until}: must lie after step {self.step} and by {self.total_steps}")
+        until = until or self.total_steps  # a run resumed at its end saves and reports again
         if not self.topo.is_drafter:
-            self.serve()
+            self.serve(until)
             return None
         try:
-            return self._run(progress)
+            return self._run(progress, until)
         finally:
             if self.compiled:
                 reset_stance()
 
-    def _run(self, progress) -> TrainResult:
+    def _run(self, progress, until: int) -> TrainResult:
         cfg = self.cfg
         main = self.topo.is_main
         log = None
@@ -525,7 +529,7 @@ class Trainer:
         first = last = float("nan")
         window = Window(self.device)
         with self._stop_on_interrupt() as interrupted:
-            while self.step < self.total_steps:
+            while self.step < until:
                 stats = self.train_step_guarded()
                 step = self.step
                 window.add(stats)
@@ -537,7 +541,7 @@ class Trainer:
                     (cfg.val_every and step % cfg.val_every == 0) or step == self.total_steps
                 ):
                     self.pending |= self.validate()
-                if step % cfg.log_every == 0 or step == self.total_steps:
+                if step % cfg.log_every == 0 or step in (until, self.total_steps):
                     m = self._metrics(stats, window)
                     last = m["loss"]
                     if main:
@@ -558,6 +562,10 @@ class Trainer:
                 if saving:
                     self.save()
         ckpt = self.save()
+        if until < self.total_steps:
+            if main:
+                log.close()
+            return TrainResult(until, last, first, ckpt)
         if main:
             log.close()
             finite = {
