@@ -20,6 +20,9 @@ def test_a_recompile_after_warm_up_stops_the_run_with_a_clear_message(tmp_path, 
     save_token_dataset(random_docs([70, 90, 120, 60] * 2, seed=1, prompt_len=10), tmp_path / "data")
     over = {"data.seq_len": 128, "data.rows_per_batch": 2, "num_anchors": 8, "max_steps": 4, "compile": True}
     over.update({"drafter.num_layers": 1, "drafter.num_taps": 2})
+    prompts = tmp_path / "prompts.jsonl"  # tau during training: the run loads the whole target to decode
+    prompts.write_text('{"messages": [{"role": "user", "content": "def f():"}]}\n')
+    over.update({"eval_every": 100, "eval_prompts": str(prompts)})
     cfg = resolve_config("default", **over)
     trainer = build_trainer(cfg, tiny_target_dir, tmp_path / "data", tmp_path / "run", device="cpu")
     try:

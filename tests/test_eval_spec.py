@@ -168,15 +168,15 @@ def test_eval_tau_is_the_mean_of_per_sample_tau_and_restores_training_mode():
     assert graphs == pytest.approx(tau, rel=1e-6)
 
 
-def test_eval_tau_on_a_bare_model_wraps_it_once():
+def test_eval_tau_on_a_bare_model_leaves_it_as_it_was():
     s = tiny_setup()
-    layer = s.model.model.layers[s.trained.target_layer_ids[0]]
-    eval_tau(s.model, None, s.trained, s.prompts[:1], max_new_tokens=4)
-    hooks = len(layer._forward_hooks)
-    for _ in range(3):
-        eval_tau(s.model, None, s.trained, s.prompts[:1], max_new_tokens=4)
-    assert len(layer._forward_hooks) == hooks
-    assert decoding_target(s.model, s.trained) is decoding_target(s.model, s.trained)
+    modules = [s.model.get_input_embeddings(), *s.model.model.layers]
+    taus = [eval_tau(s.model, None, s.trained, s.prompts[:1], max_new_tokens=4) for _ in range(2)]
+    assert taus[0] == taus[1]
+    assert not any(m._forward_hooks for m in modules)
+    target = decoding_target(s.model, s.trained)
+    target.features(torch.tensor([[5, 6, 7]]))
+    assert not any(m._forward_hooks for m in modules) and target.model is s.model
 
 
 def test_eval_tau_refuses_a_target_of_another_depth_than_the_drafters():

@@ -34,7 +34,7 @@ from flashdraft.eval.spec import DFlashProposer, generate, static_decoders
 from flashdraft.export.formats import export_checkpoint, read_zlab
 from flashdraft.model.checkpoint import latest_checkpoint, load_drafter, write_zlab
 from flashdraft.model.drafter import DFlashDrafter, drafter_config
-from flashdraft.model.target import PACKING_LINES, Target, choose_packing, load_target
+from flashdraft.model.target import PACKING_LINES, Target, choose_packing, load_target, target_config
 from flashdraft.train.blocks import Anchors
 from flashdraft.train.step import micro_batch_at, target_features, visibility_for
 from flashdraft.train.trainer import init_drafter_
@@ -134,6 +134,30 @@ def test_the_target_keeps_the_documents_of_a_packed_row_apart(family):
     if family.packing == "one_document":
         assert target.leaks("positions")
     assert family.packing == family.expected_packing  # what docs/targets.md says of the family
+
+
+def test_a_target_loaded_up_to_its_last_tap_gives_the_whole_targets_features(family):
+    """load_target(layers=N) holds the first N decoder layers alone; its features on packed rows are the
+    whole target's, and it refuses to decode; at N = 0 the embedding and lm_head are the target's."""
+    ids = family.dcfg.target_layer_ids
+    whole = target_config(family.dir)
+    model, _ = load_target(family.dir, layers=max(ids) + 1)
+    part = Target(model, ids, family.packing, config=whole)
+    assert part.loaded_layers == max(ids) + 1 < part.num_layers == families.LAYERS
+    assert f"the first {max(ids) + 1} loaded" in part.describe()
+    full = Target(load_target(family.dir)[0], ids, family.packing)
+    g = torch.Generator().manual_seed(0)
+    ids_row = torch.randint(4, 380, (1, 24), generator=g)
+    positions = torch.cat([torch.arange(10), torch.arange(14)])[None]
+    torch.testing.assert_close(part.features(ids_row, positions), full.features(ids_row, positions))
+    with pytest.raises(RuntimeError, match="decoding needs the target's first 6 layers; this model holds"):
+        part.decode(ids_row)
+    heads, _ = load_target(family.dir, layers=0)
+    assert Target(heads, ids, config=whole).loaded_layers == 0
+    assert torch.equal(heads.get_input_embeddings().weight, full.embed_tokens.weight)
+    assert torch.equal(heads.get_output_embeddings().weight, full.lm_head.weight)
+    modules = [*model.modules(), *full.model.modules()]
+    assert not any(m._forward_hooks for m in modules)  # the taps lived for one forward
 
 
 def test_a_block_in_the_second_document_drafts_as_in_that_document_alone(family):

@@ -292,7 +292,6 @@ def test_train_shows_only_its_own_progress_and_no_deprecation_warning(
         warnings.simplefilter("always")
         target.decode(torch.tensor([[5, 6, 7]]), transformers.DynamicCache(config=model.config))
     assert not [w for w in caught if issubclass(w.category, (FutureWarning, DeprecationWarning))]
-    target.detach()
 
 
 @pytest.mark.parametrize(
@@ -450,3 +449,24 @@ def test_train_until_stops_with_a_checkpoint_that_resume_continues(tmp_path, tin
     assert late.exit_code == 2 and "--until 2: the run is at step 2 of 4" in late.output
     rest = CliRunner().invoke(app, [*args, "--resume", str(run)])
     assert rest.exit_code == 0 and "done: 4 steps" in rest.output, rest.output
+
+
+@pytest.mark.parametrize(
+    "over, loaded",
+    [({}, "last tap"), ({"distill": 0.5}, "all"), ({"drafter.target_layer_ids": [0, 2]}, "last tap")],
+)
+def test_a_run_loads_the_target_layers_it_runs(tmp_path, tiny_target_dir, tiny_tokenizer, over, loaded):
+    """Features stop at the last tap, so a run loads the target up to it; distillation (the final hidden
+    state) loads every layer. The checkpoint records the whole target's depth either way."""
+    from flashdraft.config import resolve_config
+    from flashdraft.train.trainer import build_trainer
+
+    data = _token_data(tmp_path / "data", tiny_tokenizer, [70, 90, 120, 60] * 2, seed=5)
+    cfg = resolve_config("tiny_cpu", **{"max_steps": 1, "drafter.num_taps": 2, **over})
+    trainer = build_trainer(cfg, tiny_target_dir, data, tmp_path / "run", device="cpu")
+    ids = trainer.drafter.target_layer_ids
+    expected = max(ids) + 1 if loaded == "last tap" else 6
+    assert trainer.target.loaded_layers == expected and trainer.target.num_layers == 6
+    result = trainer.run()
+    assert json.loads((result.checkpoint / "config.json").read_text())["num_target_layers"] == 6
+    trainer.close()

@@ -19,9 +19,10 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, Pre
 from flashdraft.config import TrainConfig, resolve_config
 from flashdraft.data.packing import PackedBatch
 from flashdraft.distributed.topology import init_topology
+from flashdraft.model.target import first_layers_config
 from flashdraft.train.flops import matmul_tflops, micro_batch_flops, sync
 from flashdraft.train.timing import PhaseTimer
-from flashdraft.train.trainer import Trainer, drafter_and_packing
+from flashdraft.train.trainer import Trainer, drafter_and_target, layers_to_load, tap_ids
 
 QWEN3_VOCAB = 151936
 QWEN3_MASK_ID = 151669
@@ -174,14 +175,15 @@ def run_bench(
             "drafter.mask_token_id": QWEN3_MASK_ID if tcfg.vocab_size == QWEN3_VOCAB else tcfg.vocab_size - 1,
         },
     )
-    model = random_target(tcfg, dev, dtype)
+    layers = layers_to_load(cfg, topo, tap_ids(cfg, tcfg))  # the layers `flashdraft train` loads here
+    model = random_target(tcfg if layers is None else first_layers_config(tcfg, layers), dev, dtype)
     t_probe = time.perf_counter()  # with the packing probe `flashdraft train` starts with
-    drafter, packing = drafter_and_packing(cfg, model, None, topo)
+    drafter, target = drafter_and_target(cfg, model, None, topo, tcfg)
     probe_s = time.perf_counter() - t_probe
     dcfg = drafter.config
     stream = SyntheticStream(cfg, tcfg.vocab_size)
-    trainer = Trainer(cfg, model, drafter, stream, cfg.max_steps, topo, packing=packing)
-    del model  # a drafter rank of a split layout keeps only the target's embedding and lm_head
+    trainer = Trainer(cfg, target, drafter, stream, cfg.max_steps, topo)
+    del model, target
     kept = max(dcfg.target_layer_ids) + 1
     peak = matmul_tflops(dev) if topo.is_main else 0.0  # the only rate the result uses
     if dev.type == "cuda":
@@ -236,7 +238,7 @@ def run_bench(
             "attention": trainer.attention,
             "target_attention": trainer.target.config._attn_implementation,
             "experts": _experts(trainer.target.config),
-            "packing": packing,
+            "packing": trainer.target.packing,
             "packing_probe_s": round(probe_s, 2),
             "drafter_layers": drafter_layers,
             "target_layers_run": kept,

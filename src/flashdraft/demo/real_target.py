@@ -128,23 +128,20 @@ def decode_costs(model, block: int, context: int = 128) -> tuple[float, float]:
     from flashdraft.model.target import Target
 
     target = Target(model, [0])
-    try:
-        forwards = DynamicTarget(target)
-        g = torch.Generator().manual_seed(0)
-        ids = torch.randint(100, 1000, (1, context), generator=g).to(model.device)
-        forwards.prefill(ids)
-        times = []
-        for width in (1, block):
-            t0 = time.perf_counter()
-            for i in range(4):
-                forwards.forward(ids[:, :width], context + i)
-                forwards.keep(1, width)
-            if model.device.type == "cuda":
-                torch.cuda.synchronize()
-            times.append((time.perf_counter() - t0) / 4)
-        return times[0], times[1]
-    finally:
-        target.detach()
+    forwards = DynamicTarget(target)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(100, 1000, (1, context), generator=g).to(model.device)
+    forwards.prefill(ids)
+    times = []
+    for width in (1, block):
+        t0 = time.perf_counter()
+        for i in range(4):
+            forwards.forward(ids[:, :width], context + i)
+            forwards.keep(1, width)
+        if model.device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append((time.perf_counter() - t0) / 4)
+    return times[0], times[1]
 
 
 def _lines(path: Path) -> list[dict]:

@@ -28,7 +28,6 @@ import copy
 import json
 import math
 import time
-import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -285,24 +284,16 @@ def encode_prompt(tokenizer, messages: list[dict], thinking: bool = False) -> li
 
 # ---- entry points --------------------------------------------------------------------------------
 
-# A Target registers forward hooks that live as long as the model; wrapping a bare model on every
-# eval_tau call would stack hooks (each holding its last activations). The wrappers are kept alive by
-# those hooks, so a weak map finds them again without keeping the model alive.
-_WRAPPED: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
-
 
 def decoding_target(target: Target | PreTrainedModel, drafter: DFlashDrafter) -> Target:
-    """A Target that taps the drafter's layers, on a target of the drafter's shape; a bare model is wrapped
-    once."""
+    """A Target that taps the drafter's layers, on a target of the drafter's shape (a bare model is
+    wrapped: a Target leaves no hooks behind)."""
     if isinstance(target, Target):
         target.require_taps(drafter.target_layer_ids)
         model = target.model
     else:
         model = target
-        key = (id(model), tuple(drafter.target_layer_ids))
-        target = _WRAPPED.get(key)
-        if target is None or target.model is not model:
-            target = _WRAPPED[key] = Target(model, drafter.target_layer_ids)
+        target = Target(model, drafter.target_layer_ids)
     depth, width = int(drafter.config.num_target_layers), drafter.config.hidden_size
     text = model.config.get_text_config()
     if text.hidden_size != width:

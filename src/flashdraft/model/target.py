@@ -7,8 +7,10 @@ decoder layers (the one nn.ModuleList as long as the text config's `num_hidden_l
 (multimodal) configs such as Gemma3ForConditionalGeneration's. Tapped outputs are read with forward
 hooks on the decoder layers rather than `output_hidden_states`, whose last entry transformers replaces
 with the final-normed state. For training features the forward stops right after the last tapped layer
-(its hook raises), so later layers and the lm_head cost nothing and the loaded model is never changed:
-the same object decodes in eval.
+(its hook raises), so later layers and the lm_head cost nothing; the hooks live for one forward and the
+loaded model is never changed: the same object decodes in eval. `load_target(layers=N)` builds the model
+with only its first N decoder layers, so a run that taps up to layer N - 1 (or, at N = 0, a drafter rank
+of a split layout, which needs only the embedding and lm_head) never holds the rest in memory.
 
 Packed rows hold documents end to end, positions restarting at 0 in each. How a target keeps them apart
 is measured once at start-up (`choose_packing`), not assumed per family:
@@ -27,7 +29,11 @@ weights are exact zeros) and non-zero otherwise.
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import inspect
+import re
+import warnings
 from pathlib import Path
 
 import torch
@@ -84,62 +90,70 @@ class Target:
     embedding, which an ablation taps alone to train a drafter that sees no target features).
 
     packing: how `features` keeps the documents of a packed row apart (the module docstring);
-    `choose_packing` measures which one the model needs. heads_only=True keeps only the embedding and
-    lm_head (a drafter rank of a split layout: its decoder layers are dropped from the model).
+    `choose_packing` measures which one the model needs. config: the whole target's config when `model`
+    holds only its first layers (`load_target(layers=...)`): features then run on those, and decoding
+    needs them all. The model is read, never changed: taps are forward hooks that live for one forward.
     """
 
-    def __init__(
-        self,
-        model: PreTrainedModel,
-        layer_ids: list[int],
-        heads_only: bool = False,
-        packing: str = "positions",
-    ):
+    def __init__(self, model: PreTrainedModel, layer_ids: list[int], packing: str = "positions", config=None):
         if packing not in PACKINGS:
             raise ValueError(f"packing must be one of {PACKINGS}, not {packing!r}")
         model.requires_grad_(False).eval()
         self.model = model
-        self.config = model.config.get_text_config()
+        self.config = model.config.get_text_config()  # of the layers loaded, in the attention they run
+        self.whole_config = (config or model.config).get_text_config()
         # transformers 5.24 renamed the forward's KV-cache argument (past_key_values -> cache)
         forward = inspect.signature(model.forward).parameters
         self._cache_arg = "cache" if "cache" in forward else "past_key_values"
-        self.decoder, attr, layers = decoder_layers(model)
-        self.num_layers = len(layers)
+        self.decoder, _, self._layers = decoder_layers(model)
+        self.num_layers = self.whole_config.num_hidden_layers
         if not layer_ids or max(layer_ids) >= self.num_layers or min(layer_ids) < EMBEDDINGS:
             raise ValueError(
                 f"layer ids {layer_ids} do not fit a target of {self.num_layers} layers (-1: embeddings)"
             )
         self.layer_ids = list(layer_ids)
         self.packing = packing
-        self.heads_only = heads_only
-        if heads_only:  # nothing will ever run the decoder here: free its layers
-            setattr(self.decoder, attr, nn.ModuleList())
         self._taps: dict[int, torch.Tensor] = {}
-        self._stopping = False
         self._last = max(layer_ids)
-        self._hooks = [
-            (self.embed_tokens if i == EMBEDDINGS else layers[i]).register_forward_hook(self._tap(i))
-            for i in (set(layer_ids) if not heads_only else ())
-        ]
 
-    def detach(self) -> None:
-        """Remove the tap hooks: the model is as it was loaded (a Target used once, e.g. for a probe)."""
-        for hook in self._hooks:
-            hook.remove()
-        self._hooks = []
+    @property
+    def loaded_layers(self) -> int:
+        """How many of the target's decoder layers `model` holds (the first ones)."""
+        return len(self._layers)
+
+    def _needs(self, layers: int, what: str) -> None:
+        if self.loaded_layers < layers:
+            raise RuntimeError(
+                f"{what} needs the target's first {layers} layers; this model holds {self.loaded_layers} "
+                f"of {self.num_layers} (load_target(layers=...))"
+            )
+
+    @contextlib.contextmanager
+    def _tapping(self, stop: bool):
+        """Hooks that keep the tapped outputs for this forward (and, with `stop`, end it at the last)."""
+
+        def tap(i: int):
+            def hook(_module, _inputs, output):
+                self._taps[i] = output[0] if isinstance(output, tuple) else output
+                if stop and i == self._last:
+                    raise _Stop
+
+            return hook
+
+        hooks = [
+            (self.embed_tokens if i == EMBEDDINGS else self._layers[i]).register_forward_hook(tap(i))
+            for i in set(self.layer_ids)
+        ]
+        try:
+            yield
+        finally:
+            for hook in hooks:
+                hook.remove()
 
     def require_taps(self, layer_ids: list[int]) -> None:
         """A drafter trained on `layer_ids` reads exactly this Target's taps, or this is an error."""
         if list(self.layer_ids) != list(layer_ids):
             raise ValueError(f"target taps {self.layer_ids}, drafter expects {list(layer_ids)}")
-
-    def _tap(self, i: int):
-        def hook(_module, _inputs, output):
-            self._taps[i] = output[0] if isinstance(output, tuple) else output
-            if self._stopping and i == self._last:
-                raise _Stop
-
-        return hook
 
     @property
     def device(self) -> torch.device:
@@ -170,8 +184,9 @@ class Target:
         (`packing`); padding sits at position 0 and sees only itself. final: every layer runs, and the
         result is (features, the final normed hidden state [b, S, D]) (soft-label distillation).
         """
-        if self.heads_only:
-            raise RuntimeError("this Target keeps only the embedding and lm_head (heads_only=True)")
+        self._needs(
+            self.num_layers if final else self._last + 1, "the final hidden state" if final else "features"
+        )
         return self._features(self.packing, position_ids, final, input_ids=input_ids)
 
     def _features(self, packing: str, position_ids: torch.Tensor | None, final: bool = False, **inputs):
@@ -185,17 +200,13 @@ class Target:
         kwargs = {}
         if packing == "masks" and position_ids is not None:
             kwargs["attention_mask"] = self._masks(inputs["inputs_embeds"], position_ids)
-        if final:
-            out = self.decoder(**inputs, position_ids=position_ids, use_cache=False, **kwargs)
-            return self._collect(), out.last_hidden_state
-        self._stopping = True
-        try:
-            self.decoder(**inputs, position_ids=position_ids, use_cache=False, **kwargs)
-        except _Stop:
-            pass
-        finally:
-            self._stopping = False
-        return self._collect()
+        with self._tapping(stop=not final):
+            try:
+                out = self.decoder(**inputs, position_ids=position_ids, use_cache=False, **kwargs)
+            except _Stop:
+                out = None
+        feats = self._collect()
+        return (feats, out.last_hidden_state) if final else feats
 
     def mask_kinds(self) -> set[str] | None:
         """The model's attention kinds when transformers can build a mask for each of them, else None."""
@@ -230,13 +241,15 @@ class Target:
         `past_key_values` (a transformers Cache) is updated. logits_to_keep=1 (a prefill) computes the
         last position's logits only; 0 keeps all.
         """
+        self._needs(self.num_layers, "decoding")
         self._taps.clear()
-        out = self.model(
-            input_ids=input_ids,
-            **{self._cache_arg: past_key_values},
-            use_cache=True,
-            logits_to_keep=logits_to_keep,
-        )
+        with self._tapping(stop=False):
+            out = self.model(
+                input_ids=input_ids,
+                **{self._cache_arg: past_key_values},
+                use_cache=True,
+                logits_to_keep=logits_to_keep,
+            )
         return out.logits, self._collect()
 
     def _collect(self) -> torch.Tensor:
@@ -246,10 +259,11 @@ class Target:
 
     def describe(self) -> str:
         """The start-up line: which model, which attention and experts code, how rows are packed."""
-        kinds = layer_kinds(self.config)
+        kinds = layer_kinds(self.whole_config)
         counts = ", ".join(f"{kinds.count(k)} {k}" for k in dict.fromkeys(kinds))
+        loaded = f"; the first {self.loaded_layers} loaded" if self.loaded_layers < self.num_layers else ""
         parts = [
-            f"target {type(self.model).__name__} ({self.num_layers} layers: {counts})",
+            f"target {type(self.model).__name__} ({self.num_layers} layers: {counts}{loaded})",
             f"attention {self.config._attn_implementation}",
         ]
         experts = getattr(self.config, "_experts_implementation", None)
@@ -274,18 +288,15 @@ def choose_packing(model: PreTrainedModel, layer_ids: list[int]) -> str:
     """The first packing under which the documents of a row do not see each other (module docstring),
     probed on the forward that training runs (up to the last of `layer_ids`)."""
     probe = Target(model, layer_ids)
-    try:
-        if not probe.leaks("positions"):
-            return "positions"
-        if probe.mask_kinds() is not None:
-            try:
-                if not probe.leaks("masks"):
-                    return "masks"
-            except (TypeError, AttributeError, KeyError, ValueError):  # the model takes no mask mapping
-                pass
-        return "one_document"
-    finally:
-        probe.detach()
+    if not probe.leaks("positions"):
+        return "positions"
+    if probe.mask_kinds() is not None:
+        try:
+            if not probe.leaks("masks"):
+                return "masks"
+        except (TypeError, AttributeError, KeyError, ValueError):  # the model takes no mask mapping
+            pass
+    return "one_document"
 
 
 def target_source(path_or_id: str | Path) -> tuple[str, dict]:
@@ -325,13 +336,20 @@ def load_target(
     device: str | torch.device = "cpu",
     dtype: torch.dtype | None = None,
     attention: str = "auto",
+    layers: int | None = None,
 ) -> tuple[PreTrainedModel, object]:
-    """Load (model, tokenizer) from a local directory or a hub id: frozen, eval, bf16 on GPU and fp32 on
-    CPU unless `dtype` says otherwise.
+    """Load (model, tokenizer) from a local directory, a hub id or a .gguf file: frozen, eval, bf16 on GPU
+    and fp32 on CPU unless `dtype` says otherwise.
 
     attention: "auto" takes the model's own choice, which transformers makes per model class: sdpa where
     the model supports it, else eager (gpt-oss); `Target.describe` says which runs. Any other name is
     required as given (transformers refuses one the model does not support).
+    layers: build the model with only its first `layers` decoder layers and load only their weights (and
+    the embedding, final norm and lm_head): a features forward that stops at layer `layers - 1` needs no
+    more, and 0 keeps the embedding and lm_head alone. The model's config then says `layers`; give
+    `Target` the whole target's (`target_config`). None: every layer. A weight the model expects and the
+    checkpoint lacks is an error, as is one the checkpoint has and the model does not use (other than
+    the layers left out).
     """
     device = torch.device(device)
     if dtype is None:
@@ -340,15 +358,81 @@ def load_target(
     if attention != "auto":
         kwargs["attn_implementation"] = attention
     try:
-        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, **kwargs)
+        config = AutoConfig.from_pretrained(source, **kwargs)
+        depth = config.get_text_config().num_hidden_layers
+        if layers is not None and not 0 <= layers <= depth:
+            raise ValueError(f"{path_or_id}: layers={layers}, the target has {depth}")
+        if layers is not None and layers < depth:
+            config = first_layers_config(config, layers)
+        with _quiet_load_report():
+            model, info = AutoModelForCausalLM.from_pretrained(
+                source, config=config, dtype=dtype, output_loading_info=True, **kwargs
+            )
     except OSError as e:  # no such directory, no config.json, not on the hub (offline)
         raise ValueError(f"{path_or_id}: not a model transformers can load ({str(e).splitlines()[0]})") from e
     except ValueError as e:
         if attention == "auto":
             raise
         raise ValueError(f"{path_or_id}: target attention {attention!r}: {e}") from e
+    _check_loaded(path_or_id, model, info, layers if layers is not None and layers < depth else None)
     model.to(device)
     return model, load_tokenizer(path_or_id)
+
+
+def first_layers_config(config, layers: int):
+    """A copy of `config` whose (text) model has only the first `layers` decoder layers, its per-layer
+    list of attention kinds cut to match."""
+    config = copy.deepcopy(config)
+    text = config.get_text_config()
+    text.num_hidden_layers = layers
+    if isinstance(getattr(text, "layer_types", None), list):
+        text.layer_types = text.layer_types[:layers]
+    return config
+
+
+@contextlib.contextmanager
+def _quiet_load_report():
+    """transformers' load report lists the weights of the layers a partial load leaves out as unexpected:
+    `_check_loaded` judges the report instead."""
+    from transformers.utils import logging as hf_logging
+
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(level)
+
+
+def _check_loaded(path_or_id, model: PreTrainedModel, info: dict, layers: int | None) -> None:
+    """Every weight the model expects came from the checkpoint in its shape (else an error: it would be
+    left at random); weights the checkpoint holds and the model does not use are named in a warning,
+    except (with `layers`) those of the decoder layers from `layers` on."""
+    _, attr, _ = decoder_layers(model)
+    left_out = re.compile(rf"\.{re.escape(attr)}\.(\d+)\.")
+
+    def expected(key: str) -> bool:
+        m = left_out.search(key)
+        return layers is not None and m is not None and int(m.group(1)) >= layers
+
+    def named(keys) -> str:
+        keys = sorted(str(k) for k in keys)
+        return ", ".join(keys[:4]) + (f" and {len(keys) - 4} more" if len(keys) > 4 else "")
+
+    unused = [k for k in info.get("unexpected_keys", ()) if not expected(k)]
+    if unused:
+        warnings.warn(
+            f"{path_or_id}: weights {type(model).__name__} does not use: {named(unused)}", stacklevel=3
+        )
+    problems = {
+        "missing from the checkpoint": info.get("missing_keys", ()),
+        "of another shape": info.get("mismatched_keys", ()),
+    }
+    problems = [f"{k}: {named(v)}" for k, v in problems.items() if v]
+    if problems:
+        raise ValueError(
+            f"{path_or_id}: the weights do not fit {type(model).__name__} ({'; '.join(problems)})"
+        )
 
 
 def target_config(path_or_id: str | Path):

@@ -27,12 +27,16 @@ def tokenizer_sha256(tokenizer) -> str:
 
 
 def weights_sha256(model) -> str:
-    """A hash of a fixed sample of the target's weights: the first and last rows of its embedding and
-    output embedding, and every 1-D weight (the norms), in float32."""
+    """A hash of a fixed sample of the target's weights that every rank holds however many decoder
+    layers it loads (`load_target(layers=...)`): the first and last rows of its embedding and output
+    embedding, and the 1-D weights outside the decoder layers (the final norm), in float32."""
+    from flashdraft.model.target import decoder_layers
+
     h = hashlib.sha256()
     tables = [model.get_input_embeddings().weight, model.get_output_embeddings().weight]
     rows = [t[:8] for t in tables] + [t[-8:] for t in tables]
-    norms = [p for name, p in sorted(model.named_parameters()) if p.dim() == 1]
+    in_layers = {id(p) for p in decoder_layers(model)[2].parameters()}
+    norms = [p for _, p in sorted(model.named_parameters()) if p.dim() == 1 and id(p) not in in_layers]
     for t in rows + norms:
         h.update(t.detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
     return h.hexdigest()
@@ -65,7 +69,7 @@ def run_record(target_path: str, model, data_dir: str | Path, dataset) -> dict:
     return {
         "target": str(target_path),
         "target_class": type(model).__name__,
-        "target_weights_sha256": weights_sha256(model),
+        "target_sample_sha256": weights_sha256(model),
         "data_dir": str(data_dir),
         "data_fingerprint": f"{getattr(dataset, '_fingerprint', '')}:{len(dataset)}",
     }
@@ -75,7 +79,7 @@ def check_resume_record(saved: dict, now: dict, run: Path) -> None:
     """A resumed run has the target and data it started with (where its config.yaml recorded them)."""
     changed = [
         k
-        for k in ("target_class", "target_weights_sha256", "data_fingerprint")
+        for k in ("target_class", "target_sample_sha256", "data_fingerprint")
         if k in saved and saved[k] != now[k]
     ]
     if changed:

@@ -37,7 +37,7 @@ from flashdraft.distributed.parallel import (
 )
 from flashdraft.distributed.topology import Topology, init_topology
 from flashdraft.model.checkpoint import latest_checkpoint, load_drafter
-from flashdraft.model.drafter import DFlashDrafter, drafter_config
+from flashdraft.model.drafter import DFlashDrafter, default_target_layer_ids, drafter_config
 from flashdraft.model.target import (
     Target,
     choose_packing,
@@ -117,23 +117,50 @@ class TrainResult:
     checkpoint: Path
 
 
-def drafter_and_packing(cfg: TrainConfig, model, tokenizer, topo: Topology) -> tuple[DFlashDrafter, str]:
-    """The run's drafter (initialised from the seed, or the init_from drafter: see `drafter_from`) and
-    how its rows hold documents: what `build` and `flashdraft bench` both give the Trainer. `tokenizer`
-    may be None when drafter.mask_token_id is set."""
+def tap_ids(cfg: TrainConfig, target_config) -> list[int]:
+    """The target layers the run's drafter reads (set, from init_from, or spread over the target)."""
+    if cfg.drafter.target_layer_ids:
+        return list(cfg.drafter.target_layer_ids)
+    return default_target_layer_ids(target_config.get_text_config().num_hidden_layers, cfg.drafter.num_taps)
+
+
+def layers_to_load(cfg: TrainConfig, topo: Topology, taps: list[int]) -> int | None:
+    """How many of the target's decoder layers this rank runs (`load_target(layers=...)`): none on a
+    drafter rank of a split layout (the embedding and lm_head are all it uses), every one for
+    distillation (the final hidden state) and for tau during training (decoding), else up to the last
+    tap."""
+    if not topo.is_target:
+        return 0
+    if cfg.distill or cfg.eval_every:
+        return None
+    return max(taps) + 1
+
+
+def drafter_and_target(
+    cfg: TrainConfig, model, tokenizer, topo: Topology, target_config=None
+) -> tuple[DFlashDrafter, Target]:
+    """The run's drafter (initialised from the seed, or the init_from drafter) and the Target it reads,
+    packed as the target needs (`choose_packing`, measured on a target rank and shared with the drafter
+    ranks of a split layout): what `build` and `flashdraft bench` both give the Trainer. `tokenizer` may
+    be None when drafter.mask_token_id is set; `target_config` is the whole target's when `model` holds
+    only its first layers."""
+    whole = target_config or model.config
     if cfg.init_from:
         drafter = load_drafter(cfg.init_from, topo.device)
     else:
-        drafter = build_drafter(cfg, model, tokenizer, topo.device)
+        drafter = build_drafter(cfg, model, tokenizer, topo.device, whole)
     asked = cfg.data.one_document_per_row
-    packing = "one_document" if asked else choose_packing(model, drafter.target_layer_ids)
+    ids = drafter.target_layer_ids
+    packing = "one_document" if asked else choose_packing(model, ids) if topo.is_target else None
+    if topo.distributed:  # the drafter ranks of a split layout hold no layers to probe
+        packing = next(p for p in topo.gather_objects(packing) if p is not None)
     if packing == "one_document" and not asked and topo.is_main:
         print(
             "the target's layers carry state across packed documents (no mask keeps them apart): "
             "training rows hold one document each",
             flush=True,
         )
-    return drafter, packing
+    return drafter, Target(model, ids, packing, config=whole)
 
 
 def with_init_from(cfg: TrainConfig, target_config) -> TrainConfig:
@@ -182,13 +209,15 @@ def with_init_from(cfg: TrainConfig, target_config) -> TrainConfig:
     return cfg.model_copy(update={"drafter": cfg.drafter.model_copy(update=shape)})
 
 
-def build_drafter(cfg: TrainConfig, model, tokenizer, device) -> DFlashDrafter:
+def build_drafter(cfg: TrainConfig, model, tokenizer, device, target_config=None) -> DFlashDrafter:
+    """A drafter for `model` (`target_config`: the whole target's, when the model holds only its first
+    layers), initialised from the seed."""
     spec = cfg.drafter
     mask_id = resolve_mask_token_id(
         tokenizer, model.get_input_embeddings().num_embeddings, spec.mask_token_id
     )
     dcfg = drafter_config(
-        model.config,
+        target_config or model.config,
         num_layers=spec.num_layers,
         target_layer_ids=spec.target_layer_ids,
         num_taps=spec.num_taps,
@@ -267,10 +296,13 @@ def build(config: RunConfig) -> Trainer:
         restore_run(s3_url, Path(out_dir))
     topo.barrier()
     torch.manual_seed(cfg.seed)
+    whole = target_config(target_path)
     if cfg.init_from:  # checked against the target's config before the target loads
-        cfg = with_init_from(cfg, target_config(target_path))
-    model, tokenizer = load_target(target_path, topo.device, attention=cfg.target_attention)
-    drafter, packing = drafter_and_packing(cfg, model, tokenizer, topo)
+        cfg = with_init_from(cfg, whole)
+    layers = layers_to_load(cfg, topo, tap_ids(cfg, whole))
+    model, tokenizer = load_target(target_path, topo.device, attention=cfg.target_attention, layers=layers)
+    drafter, target = drafter_and_target(cfg, model, tokenizer, topo, whole)
+    packing = target.packing
     drafter.config.flashdraft_target = target_record(target_path, model)  # written with every checkpoint
     pad = cfg.data.pad_token_id
     if pad is None:
@@ -299,7 +331,7 @@ def build(config: RunConfig) -> Trainer:
                 f"{cfg.data.rows_per_batch} x {cfg.data.seq_len} tokens"
             )
     meta = record
-    trainer = Trainer(cfg, model, drafter, stream, total_steps, topo, out_dir, meta, resume, packing)
+    trainer = Trainer(cfg, target, drafter, stream, total_steps, topo, out_dir, meta, resume)
     trainer.val_loader = val
     if s3_url and topo.is_main:
         from flashdraft.run.s3 import S3Mirror
@@ -318,7 +350,7 @@ class Trainer:
     def __init__(
         self,
         cfg: TrainConfig,
-        model,
+        target: Target,
         drafter: DFlashDrafter,
         stream,
         total_steps: int,
@@ -326,17 +358,18 @@ class Trainer:
         out_dir: str | Path | None = None,
         meta: dict | None = None,
         resume: bool = False,
-        packing: str = "positions",
     ):
-        """packing: how the rows of `stream` hold documents (`flashdraft.model.target.choose_packing`)."""
+        """target: taps the drafter's layers; its packing is how the rows of `stream` hold documents
+        (`flashdraft.model.target.choose_packing`). A drafter rank of a split layout holds the target's
+        embedding and lm_head alone (`load_target(layers=0)`)."""
+        target.require_taps(drafter.target_layer_ids)
         self.cfg = cfg
         self.topo = topo or Topology(device=next(drafter.parameters()).device)
         self.device = self.topo.device
         self.drafter = drafter
-        self.feature_dim = len(drafter.target_layer_ids) * model.config.get_text_config().hidden_size
-        self.feature_dtype = next(model.parameters()).dtype
-        # drafter-only ranks of a split layout keep just the embedding and lm_head of the target
-        self.target = Target(model, drafter.target_layer_ids, not self.topo.is_target, packing)
+        self.feature_dim = len(drafter.target_layer_ids) * target.config.hidden_size
+        self.feature_dtype = target.embed_tokens.weight.dtype
+        self.target = target
         if self.topo.is_main:
             print(self.target.describe(), flush=True)
             print(drafter.describe(), flush=True)
@@ -383,7 +416,7 @@ class Trainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda s: cosine_lr(s, total_steps, warmup, cfg.optim.min_lr_ratio)
         )
-        self.flops_per_micro = micro_batch_flops(cfg, model.config, drafter.config)["total"]
+        self.flops_per_micro = micro_batch_flops(cfg, target.whole_config, drafter.config)["total"]
         self.peak_tflops: float | None = None  # measured at the start of run() on the main rank
         self.step = 0
         self.bad_run = torch.zeros((), dtype=torch.long, device=self.device)  # consecutive skipped steps
