@@ -10,19 +10,20 @@ counted as in docs/perf.md.
 from __future__ import annotations
 
 import statistics
+import tempfile
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
-from flashdraft.config import TrainConfig, resolve_config
+from flashdraft.config import TrainConfig, resolve_config, run_config
 from flashdraft.data.packing import PackedBatch
-from flashdraft.distributed.topology import init_topology
 from flashdraft.model.target import first_layers_config
 from flashdraft.train.flops import matmul_tflops, micro_batch_flops, sync
 from flashdraft.train.timing import PhaseTimer
-from flashdraft.train.trainer import Trainer, drafter_and_target, layers_to_load, tap_ids
+from flashdraft.train.trainer import Batches, RunSource, Trainer, build
 
 QWEN3_VOCAB = 151936
 QWEN3_MASK_ID = 151669
@@ -91,11 +92,35 @@ def random_target(cfg: PretrainedConfig, device: torch.device, dtype: torch.dtyp
     return model.eval()
 
 
+# `build` wants a run directory; the bench saves nothing, so nothing is written there
+_UNUSED_OUT = str(Path(tempfile.gettempdir()) / "flashdraft-bench-writes-nothing")
+
+
+def shape_source(shape: str, tcfg: PretrainedConfig) -> RunSource:
+    """Random weights of `tcfg` (bf16 on a GPU) and synthetic batches: what the bench trains on."""
+
+    def load(layers, device, attention):
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        config = tcfg if layers is None else first_layers_config(tcfg, layers)
+        return random_target(config, device, dtype), None
+
+    def batches(cfg, model, tokenizer, packing):
+        return Batches(SyntheticStream(cfg, tcfg.vocab_size), None, {})
+
+    def record(model):
+        return {"name_or_path": f"shape:{shape}", "architectures": [type(model).__name__]}
+
+    return RunSource(tcfg, load, batches, record)
+
+
 class SyntheticStream:
     """Micro-batch m: one full-length random document per row, the first 10% of it a prompt."""
 
     def __init__(self, cfg: TrainConfig, vocab: int):
         self.rows, self.seq_len, self.vocab = cfg.data.rows_per_batch, cfg.data.seq_len, vocab
+
+    def __len__(self) -> int:
+        return 2**31  # endless: the run's length is its max_steps
 
     def __getitem__(self, m: int) -> PackedBatch:
         b, s = self.rows, self.seq_len
@@ -155,9 +180,6 @@ def run_bench(
     this; the main rank returns the result (throughput summed over drafter ranks, MFU over every
     GPU of the world), the others None."""
     t_start = time.perf_counter()
-    topo = init_topology(layout, device)
-    dev = topo.device
-    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     tcfg = shape_config(shape)
     cfg = resolve_config(
         "default",
@@ -175,15 +197,11 @@ def run_bench(
             "drafter.mask_token_id": QWEN3_MASK_ID if tcfg.vocab_size == QWEN3_VOCAB else tcfg.vocab_size - 1,
         },
     )
-    layers = layers_to_load(cfg, topo, tap_ids(cfg, tcfg))  # the layers `flashdraft train` loads here
-    model = random_target(tcfg if layers is None else first_layers_config(tcfg, layers), dev, dtype)
-    t_probe = time.perf_counter()  # with the packing probe `flashdraft train` starts with
-    drafter, target = drafter_and_target(cfg, model, None, topo, tcfg)
-    probe_s = time.perf_counter() - t_probe
-    dcfg = drafter.config
-    stream = SyntheticStream(cfg, tcfg.vocab_size)
-    trainer = Trainer(cfg, target, drafter, stream, cfg.max_steps, topo)
-    del model, target
+    run = {"target": f"shape:{shape}", "data": "synthetic", "out": _UNUSED_OUT, "layout": layout}
+    config = run_config(cfg, **run, device=device)
+    trainer = build(config, shape_source(shape, tcfg))  # as `flashdraft train` builds a run
+    topo, dev = trainer.topo, trainer.device
+    dcfg = trainer.drafter.config
     kept = max(dcfg.target_layer_ids) + 1
     peak = matmul_tflops(dev) if topo.is_main else 0.0  # the only rate the result uses
     if dev.type == "cuda":
@@ -239,7 +257,6 @@ def run_bench(
             "target_attention": trainer.target.config._attn_implementation,
             "experts": _experts(trainer.target.config),
             "packing": trainer.target.packing,
-            "packing_probe_s": round(probe_s, 2),
             "drafter_layers": drafter_layers,
             "target_layers_run": kept,
         },

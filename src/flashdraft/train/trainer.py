@@ -20,8 +20,10 @@ import shutil
 import signal
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import yaml
@@ -266,16 +268,71 @@ def build_trainer(
     return build(run_config(cfg, **run))
 
 
-def build(config: RunConfig) -> Trainer:
+@dataclass(frozen=True)
+class Batches:
+    """A run's training batches (a MicroBatchStream's interface), its held-out ones, and what the
+    run records of its target and data (checked on resume)."""
+
+    stream: Any
+    val: PackedLoader | None
+    record: dict
+
+
+@dataclass(frozen=True)
+class RunSource:
+    """What a run reads. `build` makes it from `run.target` and `run.data` (`path_source`);
+    `flashdraft bench` gives random weights of a named shape and synthetic batches.
+
+    target_config: the whole target's. load_target(layers, device): (model, tokenizer) holding the
+    first `layers` decoder layers (None: all). batches(cfg, model, tokenizer, packing): the Batches.
+    target_record(model): what a checkpoint records of the target."""
+
+    target_config: Any
+    load_target: Callable[[int | None, torch.device, str], tuple]
+    batches: Callable[[TrainConfig, Any, Any, str], Batches]
+    target_record: Callable[[Any], dict]
+
+
+def path_source(target_path: str, data_dir: str) -> RunSource:
+    """The target from a directory, hub id or .gguf file; the token dataset from `data prepare`."""
+
+    def load(layers, device, attention):
+        return load_target(target_path, device, attention=attention, layers=layers)
+
+    def batches(cfg: TrainConfig, model, tokenizer, packing: str) -> Batches:
+        pad = cfg.data.pad_token_id
+        if pad is None:
+            pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        rows = (cfg.data.seq_len, cfg.data.rows_per_batch, pad, cfg.seed, packing == "one_document")
+        dataset = load_token_dataset(data_dir)
+        check_data_fits_target(data_dir, dataset, tokenizer, model.get_input_embeddings().num_embeddings)
+        val = None
+        if cfg.val_data:  # the config refuses it in a split layout
+            val = PackedLoader(load_token_dataset(cfg.val_data), *rows)
+            if val.batches_in_epoch(0) == 0:
+                raise ValueError(
+                    f"val_data {cfg.val_data}: too little for one micro-batch of "
+                    f"{cfg.data.rows_per_batch} x {cfg.data.seq_len} tokens"
+                )
+        stream = MicroBatchStream(PackedLoader(dataset, *rows), cfg.epochs)
+        return Batches(stream, val, run_record(target_path, model, data_dir, dataset))
+
+    return RunSource(
+        target_config(target_path), load, batches, lambda model: target_record(target_path, model)
+    )
+
+
+def build(config: RunConfig, source: RunSource | None = None) -> Trainer:
     """Read the world, load the target and the token dataset, build the drafter: a Trainer ready to run.
 
     With `run.s3`, checkpoints and logs are mirrored there; resuming with an empty `run.out` first
     restores the run's newest complete checkpoint from it (a fresh machine). A `run.out` holding a run
     is refused unless `run.resume` (continue it) or `run.overwrite` (delete it and start again); a resume
-    checks the target and data against the run's record (flashdraft.run.provenance).
+    checks the target and data against the run's record (flashdraft.run.provenance). `source`: what the
+    run reads, by default `path_source(run.target, run.data)`.
     """
     cfg, run = config, config.run
-    target_path, data_dir, out_dir, resume, s3_url = run.target, run.data, run.out, run.resume, run.s3
+    out_dir, resume, s3_url = run.out, run.resume, run.s3
     if cfg.wandb and importlib.util.find_spec("wandb") is None:
         raise ValueError("--wandb needs the wandb package: pip install 'flashdraft[wandb]'")
     topo = init_topology(run.parsed_layout, run.device, run.backend)
@@ -296,40 +353,27 @@ def build(config: RunConfig) -> Trainer:
         restore_run(s3_url, Path(out_dir))
     topo.barrier()
     torch.manual_seed(cfg.seed)
-    whole = target_config(target_path)
+    source = source or path_source(run.target, run.data)
+    whole = source.target_config
     if cfg.init_from:  # checked against the target's config before the target loads
         cfg = with_init_from(cfg, whole)
     layers = layers_to_load(cfg, topo, tap_ids(cfg, whole))
-    model, tokenizer = load_target(target_path, topo.device, attention=cfg.target_attention, layers=layers)
+    model, tokenizer = source.load_target(layers, topo.device, cfg.target_attention)
     drafter, target = drafter_and_target(cfg, model, tokenizer, topo, whole)
-    packing = target.packing
-    drafter.config.flashdraft_target = target_record(target_path, model)  # written with every checkpoint
-    pad = cfg.data.pad_token_id
-    if pad is None:
-        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    rows = (cfg.data.seq_len, cfg.data.rows_per_batch, pad, cfg.seed, packing == "one_document")
-    dataset = load_token_dataset(data_dir)
-    check_data_fits_target(data_dir, dataset, tokenizer, model.get_input_embeddings().num_embeddings)
-    record = run_record(target_path, model, data_dir, dataset)
+    drafter.config.flashdraft_target = source.target_record(model)  # written with every checkpoint
+    batches = source.batches(cfg, model, tokenizer, target.packing)
+    del model  # the Target holds it
+    record, stream = batches.record, batches.stream
     if resume and (out / "config.yaml").is_file():
         saved = yaml.safe_load((out / "config.yaml").read_text()) or {}
         check_resume_record(saved.get("record") or saved, record, out)  # top level: older runs
-    loader = PackedLoader(dataset, *rows)
-    stream = MicroBatchStream(loader, cfg.epochs)
     per_step = cfg.grad_accum * topo.num_drafters
     if len(stream) < per_step:
         raise ValueError(
-            f"{data_dir}: too little data for one step ({len(stream)} batches, {per_step} needed)"
+            f"{run.data}: too little data for one step ({len(stream)} batches, {per_step} needed)"
         )
     total_steps = cfg.max_steps or len(stream) // per_step
-    val = None
-    if cfg.val_data:  # the config refuses it in a split layout
-        val = PackedLoader(load_token_dataset(cfg.val_data), *rows)
-        if val.batches_in_epoch(0) == 0:
-            raise ValueError(
-                f"val_data {cfg.val_data}: too little for one micro-batch of "
-                f"{cfg.data.rows_per_batch} x {cfg.data.seq_len} tokens"
-            )
+    val = batches.val
     meta = record
     trainer = Trainer(cfg, target, drafter, stream, total_steps, topo, out_dir, meta, resume)
     trainer.val_loader = val
