@@ -357,13 +357,13 @@ def load_target(
     source, kwargs = target_source(path_or_id)
     if attention != "auto":
         kwargs["attn_implementation"] = attention
+    config = target_config(path_or_id)
+    depth = config.get_text_config().num_hidden_layers
+    if layers is not None and not 0 <= layers <= depth:
+        raise ValueError(f"{path_or_id}: layers={layers}, the target has {depth}")
+    if layers is not None and layers < depth:
+        config = first_layers_config(config, layers)
     try:
-        config = AutoConfig.from_pretrained(source, **kwargs)
-        depth = config.get_text_config().num_hidden_layers
-        if layers is not None and not 0 <= layers <= depth:
-            raise ValueError(f"{path_or_id}: layers={layers}, the target has {depth}")
-        if layers is not None and layers < depth:
-            config = first_layers_config(config, layers)
         with _quiet_load_report():
             model, info = AutoModelForCausalLM.from_pretrained(
                 source, config=config, dtype=dtype, output_loading_info=True, **kwargs
@@ -436,8 +436,16 @@ def _check_loaded(path_or_id, model: PreTrainedModel, info: dict, layers: int | 
 
 
 def target_config(path_or_id: str | Path):
+    """The target's whole config; a path or id that names no model is an error that says so."""
     source, kwargs = target_source(path_or_id)
-    return AutoConfig.from_pretrained(source, **kwargs)
+    try:
+        return AutoConfig.from_pretrained(source, **kwargs)
+    except OSError as e:  # no such directory, no config.json, not on the hub (offline)
+        raise ValueError(f"{path_or_id}: not a model transformers can load ({str(e).splitlines()[0]})") from e
+    except ValueError as e:  # an id the hub client refuses, e.g. a local path that does not exist
+        if type(e).__name__ != "HFValidationError":
+            raise
+        raise ValueError(f"{path_or_id}: not a model transformers can load ({e})") from e
 
 
 def target_record(path_or_id: str | Path, model: PreTrainedModel) -> dict:
