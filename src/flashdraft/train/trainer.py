@@ -143,9 +143,9 @@ def drafter_and_target(
 ) -> tuple[DFlashDrafter, Target]:
     """The run's drafter (initialised from the seed, or the init_from drafter) and the Target it reads,
     packed as the target needs (`choose_packing`, measured on a target rank and shared with the drafter
-    ranks of a split layout): what `build` and `flashdraft bench` both give the Trainer. `tokenizer` may
-    be None when drafter.mask_token_id is set; `target_config` is the whole target's when `model` holds
-    only its first layers."""
+    ranks of a split layout): what `build` gives the Trainer. `tokenizer` may be None when
+    drafter.mask_token_id is set; `target_config` is the whole target's when `model` holds only its
+    first layers."""
     whole = target_config or model.config
     if cfg.init_from:
         drafter = load_drafter(cfg.init_from, topo.device)
