@@ -5,8 +5,10 @@
 #                                 bash scripts/smollm2_gpu.sh run [scripts/smollm2_proof.py options]
 # `run` installs the wheels once, then continues the proof in /root/keep/proof where it stopped; the
 # prompts stage runs in a process of its own (one that synthesized and then regenerated crashed with
-# SIGSEGV on the H200, session 14). Logs and the summary are packed into $OUT/proof_logs.tgz.
+# SIGSEGV on the H200, session 14). --minutes is the budget of the whole call, install and the prompts
+# process included (a call of session 15 that counted only the last process ran past the 600 s limit). Logs and the summary are packed into $OUT/proof_logs.tgz.
 set -uo pipefail
+started=$(date +%s)  # --minutes is the whole call's: install and prompts included
 cd "$(dirname "$0")/.."
 SITE=/root/keep/site PROOF=/root/keep/proof LOGS=/root/keep/logs
 case "${1:-}" in
@@ -22,9 +24,9 @@ case "${1:-}" in
     n=$(ls "$LOGS" | wc -l)
     stages="import json, sys; sys.exit('prompts' not in json.load(open('$PROOF/summary.json')).get('stages', []))"
     if ! python3 -c "$stages" 2>/dev/null; then
-      python3 scripts/smollm2_proof.py --out "$PROOF" "$@" --stop-after prompts > "$LOGS/call${n}p.log" 2>&1 || exit 4
+      python3 scripts/smollm2_proof.py --out "$PROOF" --call-started "$started" "$@" --stop-after prompts > "$LOGS/call${n}p.log" 2>&1 || exit 4
     fi
-    python3 scripts/smollm2_proof.py --out "$PROOF" "$@" > "$LOGS/call$n.log" 2>&1
+    python3 scripts/smollm2_proof.py --out "$PROOF" --call-started "$started" "$@" > "$LOGS/call$n.log" 2>&1
     rc=$?
     grep -v "Loading weights\|it/s\]\|examples/s\]" "$LOGS/call$n.log" | tail -40
     tar czf "${OUT:-/tmp}/proof_logs.tgz" -C /root/keep logs proof/summary.json proof/run/metrics.jsonl proof/eval 2>/dev/null

@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the recipes package
@@ -35,6 +36,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--minutes", type=float, default=9.0, help="time budget of this call")
+    ap.add_argument(
+        "--call-started",
+        type=float,
+        metavar="EPOCH",
+        help="when the call began (seconds since the epoch): --minutes counts from then, not from this "
+        "process's start (scripts/smollm2_gpu.sh installs and synthesizes first)",
+    )
     ap.add_argument("--stop-after", choices=STAGES, help="end the call after this stage")
     ap.add_argument("--smoke", action="store_true", help="tiny counts on the CPU: check the flow only")
     ap.add_argument("--humaneval", type=int, help="HumanEval problems in the eval (default: the scale's)")
@@ -63,7 +71,10 @@ def main() -> None:
     except ValueError as e:
         ap.error(str(e))
     scale = dataclasses.replace(scale, train={**scale.train, **train})
-    run_real_target(args.out, args.minutes, scale, stop_after=args.stop_after)
+    minutes = args.minutes
+    if args.call_started is not None:
+        minutes -= (time.time() - args.call_started) / 60
+    run_real_target(args.out, minutes, scale, stop_after=args.stop_after)
 
 
 if __name__ == "__main__":
