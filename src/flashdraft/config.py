@@ -17,7 +17,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from flashdraft.distributed.layout import Layout
+from flashdraft.distributed.layout import Layout, TargetParallel
 
 FLOAT32_MAX = 3.4028234663852886e38  # the optimizer's state and the weights are float32
 
@@ -220,6 +220,9 @@ class RunSpec(_Strict):
     backend: Literal["auto", "gloo", "nccl"] = Field(
         "auto", description="process-group backend: auto (NCCL on GPU, gloo on CPU), gloo or nccl"
     )
+    target_parallel: str = Field(
+        "none", description="none, or fsdp:N: the frozen target sharded (FSDP2) over groups of N target ranks"
+    )
     s3: str | None = Field(None, pattern=r"^s3://[^/]+", description="mirror to s3://bucket/prefix")
     resume: bool = Field(False, description="continue the run in `out` (or restore it from `s3`)")
     overwrite: bool = Field(False, description="`out` holds a run: delete it and start again")
@@ -228,6 +231,11 @@ class RunSpec(_Strict):
     @classmethod
     def _layout(cls, text: str) -> str:
         return str(Layout.parse(text))
+
+    @field_validator("target_parallel")
+    @classmethod
+    def _target_parallel(cls, text: str) -> str:
+        return str(TargetParallel.parse(text))
 
     @property
     def parsed_layout(self) -> Layout:
@@ -255,6 +263,14 @@ class RunConfig(TrainConfig):
 
     @model_validator(mode="after")
     def _fits_layout(self) -> RunConfig:
+        if self.run.target_parallel != "none":
+            for name in ("eval_every", "val_data"):
+                if getattr(self, name):
+                    raise ValueError(
+                        f"{name} runs the target on the main rank alone, and a sharded target runs only on "
+                        f"all the ranks of its group: drop {name} with target_parallel, and evaluate the "
+                        "checkpoints with `flashdraft eval`"
+                    )
         if self.run.parsed_layout.is_split:
             if self.eval_every:
                 raise ValueError(

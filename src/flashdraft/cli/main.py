@@ -45,6 +45,12 @@ def train(
     layout: str | None = typer.Option(
         None, help="colocated (the default), or split:T:D (T target + D drafter ranks)"
     ),
+    target_parallel: str | None = typer.Option(
+        None,
+        "--target-parallel",
+        help="none (the default: every target rank holds the whole target), or fsdp:N: the target sharded "
+        "(FSDP2) over groups of N target ranks, for a target too large for one GPU",
+    ),
     nproc: int | None = typer.Option(None, help="launch N processes on this machine (torch's launcher)"),
     resume: str | None = typer.Option(
         None, help="continue a run from its LATEST checkpoint: its directory, or its s3:// mirror"
@@ -90,7 +96,7 @@ def train(
     """
     if plan:
         world = nproc or int(os.environ.get("WORLD_SIZE", "1"))
-        _print_plan(preset, config, target, layout, world, fsdp)
+        _print_plan(preset, config, target, layout, world, fsdp, target_parallel)
         return
     if nproc is not None and "LOCAL_RANK" not in os.environ:
         _launch(nproc)
@@ -128,6 +134,7 @@ def train(
         }
         run = {"target": target, "data": str(data) if data else None, "out": str(out) if out else None}
         run |= {"device": device, "layout": layout, "s3": s3, "backend": backend}
+        run |= {"target_parallel": target_parallel}
         run |= {"resume": resume is not None or None, "overwrite": overwrite or None}
         cfg = resolve_run_config(preset, config, **over, **{f"run.{k}": v for k, v in run.items()})
         out = Path(cfg.run.out)
@@ -181,7 +188,13 @@ def _yaml_run(config: Path | None) -> dict:
 
 
 def _print_plan(
-    preset: str, config: Path | None, target: str | None, layout: str | None, world: int, fsdp: bool
+    preset: str,
+    config: Path | None,
+    target: str | None,
+    layout: str | None,
+    world: int,
+    fsdp: bool,
+    target_parallel: str | None,
 ) -> None:
     from flashdraft.config import resolve_config
     from flashdraft.model.target import target_config
@@ -189,11 +202,12 @@ def _print_plan(
 
     run = _yaml_run(config)
     target, layout = target or run.get("target"), layout or run.get("layout", "colocated")
+    target_parallel = target_parallel or run.get("target_parallel", "none")
     if target is None:
         _fail("--plan needs --target (or a --config with run.target)")
     try:
         cfg = resolve_config(preset, config, fsdp=fsdp or None)
-        plan = make_plan(cfg, target_config(target), layout, world)
+        plan = make_plan(cfg, target_config(target), layout, world, target_parallel)
     except (ValueError, OSError) as e:
         _fail(str(e))
     typer.echo("\n".join(plan.lines()))

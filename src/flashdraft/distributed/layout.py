@@ -5,6 +5,9 @@
 
 `Layout.parse` checks the text alone (the run config does, before anything loads); `Layout.on(world)`
 checks it against the processes there are and fills in a colocated layout's rank counts.
+
+How each target rank holds the target is `TargetParallel`: whole (`none`), or `fsdp:N`, sharded over
+groups of N consecutive target ranks (flashdraft.distributed.sharded_target).
 """
 
 from __future__ import annotations
@@ -56,3 +59,40 @@ class Layout:
 
     def __str__(self) -> str:
         return f"split:{self.targets}:{self.drafters}" if self.is_split else "colocated"
+
+
+@dataclass(frozen=True)
+class TargetParallel:
+    """The frozen target whole on every target rank (size 1) or FSDP2-sharded over groups of `size`
+    consecutive target ranks, each group holding one copy."""
+
+    size: int = 1
+
+    @classmethod
+    def parse(cls, text: str | TargetParallel) -> TargetParallel:
+        if isinstance(text, TargetParallel):
+            return text
+        if text == "none":
+            return cls()
+        m = re.fullmatch(r"fsdp:(\d+)", text)
+        if not m or int(m.group(1)) < 1:
+            raise ValueError(
+                f"target parallelism {text!r}: expected 'none' or 'fsdp:N' (N >= 1, e.g. fsdp:8)"
+            )
+        return cls(int(m.group(1)))
+
+    @property
+    def sharded(self) -> bool:
+        return self.size > 1
+
+    def groups(self, layout: Layout) -> list[list[int]]:
+        """The target groups of `layout` (on a world): consecutive target ranks, `size` to a group."""
+        if layout.targets % self.size:
+            raise ValueError(
+                f"target parallelism {self}: the {layout.targets} target rank(s) of layout {layout} do not "
+                f"split into groups of {self.size}"
+            )
+        return [list(range(g, g + self.size)) for g in range(0, layout.targets, self.size)]
+
+    def __str__(self) -> str:
+        return f"fsdp:{self.size}" if self.sharded else "none"

@@ -1,7 +1,8 @@
 """The one owner of the world: ranks, roles, process groups and devices.
 
 Layouts (flashdraft.distributed.layout): `colocated` (every rank runs the target and a drafter
-replica) or `split:T:D` (T target ranks send features to D drafter ranks).
+replica) or `split:T:D` (T target ranks send features to D drafter ranks). With target parallelism
+`fsdp:N` the target ranks form groups of N that each share one sharded target (`target_group`).
 
 One process per GPU, always (launched by torchrun or `flashdraft train --nproc N`), and each
 process sees its GPU as cuda:0, so compile-cache keys are identical on every rank. CPU runs use gloo.
@@ -17,7 +18,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from flashdraft.distributed.layout import Layout
+from flashdraft.distributed.layout import Layout, TargetParallel
 
 
 @dataclass
@@ -29,6 +30,8 @@ class Topology:
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     drafter_group: object | None = None  # process group of drafter ranks (gradient all-reduce)
     exchange_group: object | None = None  # split layouts: the feature messages' own group
+    target_parallel: TargetParallel = field(default_factory=TargetParallel)
+    target_group: object | None = None  # a sharded target: this target rank's group
     backend: str = "gloo"
 
     @property
@@ -125,22 +128,28 @@ def pin_local_gpu() -> None:
 
 
 def init_topology(
-    layout: str | Layout = "colocated", device: str | None = None, backend: str = "auto"
+    layout: str | Layout = "colocated",
+    device: str | None = None,
+    backend: str = "auto",
+    target_parallel: str | TargetParallel = "none",
 ) -> Topology:
     """Read the torchrun environment (or none: a single process) and build the process groups.
 
     backend: auto (NCCL on GPU, gloo on CPU), or gloo to put several ranks on one GPU (NCCL
     refuses two ranks on one device), which is how the layouts are exercised on a one-GPU machine.
+    target_parallel: `fsdp:N` shards the target over groups of N target ranks (`target_group`).
     """
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local = int(os.environ.get("LOCAL_RANK", "0"))
     lay = Layout.parse(layout).on(world)
+    tp = TargetParallel.parse(target_parallel)
+    groups = tp.groups(lay) if tp.sharded else []  # refused before any process group exists
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if dev.type == "cuda":
         dev = torch.device("cuda", 0)
         torch.cuda.set_device(dev)
-    topo = Topology(rank, world, local, lay, dev)
+    topo = Topology(rank, world, local, lay, dev, target_parallel=tp)
     if backend not in ("auto", "gloo", "nccl"):
         raise ValueError(f"backend {backend!r}: choose auto, gloo or nccl")
     if world > 1:
@@ -154,4 +163,8 @@ def init_topology(
         topo.drafter_group = dist.new_group(drafters) if len(drafters) < world else dist.group.WORLD
         if lay.is_split:  # feature messages never queue behind (or between) other collectives
             topo.exchange_group = dist.new_group(list(range(world)))
+        for ranks in groups:  # every rank creates every group, in the same order
+            group = dist.new_group(ranks)
+            if rank in ranks:
+                topo.target_group = group
     return topo

@@ -283,14 +283,16 @@ class RunSource:
     """What a run reads. `build` makes it from `run.target` and `run.data` (`path_source`);
     `flashdraft bench` gives random weights of a named shape and synthetic batches.
 
-    target_config: the whole target's. load_target(layers, device): (model, tokenizer) holding the
-    first `layers` decoder layers (None: all). batches(cfg, model, tokenizer, packing): the Batches.
-    target_record(model): what a checkpoint records of the target."""
+    target_config: the whole target's. load_target(layers, device, attention): (model, tokenizer)
+    holding the first `layers` decoder layers (None: all). batches(cfg, model, tokenizer, packing): the
+    Batches. target_record(model): what a checkpoint records of the target. load_sharded(layers, topo,
+    attention): as load_target, the layers sharded over the rank's target group (None: not offered)."""
 
     target_config: Any
     load_target: Callable[[int | None, torch.device, str], tuple]
     batches: Callable[[TrainConfig, Any, Any, str], Batches]
     target_record: Callable[[Any], dict]
+    load_sharded: Callable[[int | None, Topology, str], tuple] | None = None
 
 
 def path_source(target_path: str, data_dir: str) -> RunSource:
@@ -298,6 +300,11 @@ def path_source(target_path: str, data_dir: str) -> RunSource:
 
     def load(layers, device, attention):
         return load_target(target_path, device, attention=attention, layers=layers)
+
+    def load_sharded(layers, topo, attention):
+        from flashdraft.distributed.sharded_target import load_sharded_target
+
+        return load_sharded_target(target_path, topo, attention=attention, layers=layers)
 
     def batches(cfg: TrainConfig, model, tokenizer, packing: str) -> Batches:
         pad = cfg.data.pad_token_id
@@ -318,8 +325,25 @@ def path_source(target_path: str, data_dir: str) -> RunSource:
         return Batches(stream, val, run_record(target_path, model, data_dir, dataset))
 
     return RunSource(
-        target_config(target_path), load, batches, lambda model: target_record(target_path, model)
+        target_config(target_path),
+        load,
+        batches,
+        lambda model: target_record(target_path, model),
+        load_sharded,
     )
+
+
+def check_sharded_fits(cfg: TrainConfig, topo: Topology) -> None:
+    """The ranks of a target group run one forward together per micro-batch, so in a split layout each
+    target rank must serve as many micro-batches a step as the others."""
+    lay = topo.layout
+    if lay.is_split and cfg.grad_accum * lay.drafters % lay.targets:
+        raise ValueError(
+            f"target parallelism {topo.target_parallel} in layout {lay}: a step's "
+            f"{cfg.grad_accum * lay.drafters} micro-batches (grad_accum x {lay.drafters} drafter ranks) do "
+            f"not divide evenly over the {lay.targets} target ranks, whose groups must run the same number "
+            "of forwards"
+        )
 
 
 def build(config: RunConfig, source: RunSource | None = None) -> Trainer:
@@ -335,7 +359,7 @@ def build(config: RunConfig, source: RunSource | None = None) -> Trainer:
     out_dir, resume, s3_url = run.out, run.resume, run.s3
     if cfg.wandb and importlib.util.find_spec("wandb") is None:
         raise ValueError("--wandb needs the wandb package: pip install 'flashdraft[wandb]'")
-    topo = init_topology(run.parsed_layout, run.device, run.backend)
+    topo = init_topology(run.parsed_layout, run.device, run.backend, run.target_parallel)
     out = Path(out_dir)
     existing = [n for n in ("config.yaml", "checkpoints") if (out / n).exists()]
     if existing and not resume:
@@ -358,7 +382,17 @@ def build(config: RunConfig, source: RunSource | None = None) -> Trainer:
     if cfg.init_from:  # checked against the target's config before the target loads
         cfg = with_init_from(cfg, whole)
     layers = layers_to_load(cfg, topo, tap_ids(cfg, whole))
-    model, tokenizer = source.load_target(layers, topo.device, cfg.target_attention)
+    if topo.target_group is not None:
+        check_sharded_fits(cfg, topo)
+        if source.load_sharded is None:
+            raise ValueError("this run's target cannot be sharded (it is not read from a directory)")
+        model, tokenizer = source.load_sharded(layers, topo, cfg.target_attention)
+        if topo.rank == 0:
+            from flashdraft.distributed.sharded_target import sharding_line
+
+            print(sharding_line(model, topo), flush=True)
+    else:
+        model, tokenizer = source.load_target(layers, topo.device, cfg.target_attention)
     drafter, target = drafter_and_target(cfg, model, tokenizer, topo, whole)
     drafter.config.flashdraft_target = source.target_record(model)  # written with every checkpoint
     batches = source.batches(cfg, model, tokenizer, target.packing)
