@@ -3,6 +3,7 @@ the whole target, holds 1/N of its layers per rank, trains the same loss curve, 
 another target parallelism."""
 
 import json
+import re
 import subprocess
 import sys
 
@@ -187,3 +188,33 @@ def test_a_split_layout_whose_target_ranks_serve_unequal_counts_is_refused():
     with pytest.raises(ValueError, match="3 micro-batches .* do not divide evenly over the 2 target ranks"):
         check_sharded_fits(resolve_config("tiny_cpu", grad_accum=3), topo)
     check_sharded_fits(resolve_config("tiny_cpu", grad_accum=4), topo)  # 2 each
+
+
+def test_plan_shows_a_sharded_targets_memory_and_all_gather(tmp_path):
+    from typer.testing import CliRunner
+
+    from flashdraft.bench import shape_config
+    from flashdraft.cli.main import app
+
+    shape_config("llama3-70b").save_pretrained(tmp_path / "llama3-70b")  # config only, no weights
+    args = [
+        "train",
+        "--target",
+        str(tmp_path / "llama3-70b"),
+        "--data",
+        "-",
+        "--out",
+        "-",
+        "--plan",
+        "--nproc",
+        "8",
+    ]
+    layers = lambda text: float(re.search(r"target layers ([\d.]+)", text).group(1))  # noqa: E731
+    whole = CliRunner().invoke(app, [*args, "--preset", "qwen3_8b_h200"])
+    sharded = CliRunner().invoke(app, [*args, "--preset", "qwen3_8b_h200", "--target-parallel", "fsdp:8"])
+    assert whole.exit_code == 0 and sharded.exit_code == 0, sharded.output
+    layer_gib = 2 * (8192 * 128 * (2 * 64 + 2 * 8) + 3 * 8192 * 28672) / 2**30  # one Llama-3.1-70B layer
+    assert layers(sharded.output) == pytest.approx(layers(whole.output) / 8 + 2 * layer_gib, abs=0.05)
+    assert "GB all-gathered per micro-batch" in sharded.output and "all-gathered" not in whole.output
+    refused = CliRunner().invoke(app, [*args, "--preset", "qwen3_8b_h200", "--target-parallel", "fsdp:3"])
+    assert refused.exit_code != 0 and "do not split into groups of 3" in refused.output

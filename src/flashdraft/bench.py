@@ -64,6 +64,21 @@ SHAPES: dict[str, dict] = {
                       rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
                                        "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                        "original_max_position_embeddings": 8192}),
+    # Qwen3-32B, and the targets a sharded target is for (`flashdraft train --plan --target-parallel`)
+    "qwen3-32b": dict(_QWEN3, hidden_size=5120, intermediate_size=25600, num_hidden_layers=64,
+                      num_attention_heads=64, num_key_value_heads=8, head_dim=128, vocab_size=QWEN3_VOCAB,
+                      tie_word_embeddings=False),
+    "llama3-70b": dict(model_type="llama", hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+                       num_attention_heads=64, num_key_value_heads=8, head_dim=128, vocab_size=128256,
+                       rms_norm_eps=1e-5, max_position_embeddings=131072, tie_word_embeddings=False,
+                       rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                                        "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                        "original_max_position_embeddings": 8192}),
+    "qwen3-235b-a22b": dict(_QWEN3, model_type="qwen3_moe", hidden_size=4096, intermediate_size=12288,
+                            num_hidden_layers=94, num_attention_heads=64, num_key_value_heads=4, head_dim=128,
+                            vocab_size=QWEN3_VOCAB, tie_word_embeddings=False, moe_intermediate_size=1536,
+                            num_experts=128, num_experts_per_tok=8, norm_topk_prob=True,
+                            decoder_sparse_step=1, mlp_only_layers=[]),
 }  # fmt: skip
 
 
