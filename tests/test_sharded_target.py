@@ -16,9 +16,9 @@ from test_distributed import CONFIG, _assert_same, _resume_from, _train
 
 pytestmark = pytest.mark.slow
 
-# families whose checkpoints transformers writes in the model's own layout (docs/architecture.md); a
-# Qwen3-MoE checkpoint holds one tensor per expert, which transformers fuses on load: refused, below
-FAMILIES = ("qwen3", "llama", "gemma3_text", "gpt_oss")
+# Qwen3-MoE's checkpoint holds one tensor per expert, which the model fuses into one per layer;
+# gpt-oss's holds the fused tensors
+FAMILIES = ("qwen3", "llama", "gemma3_text", "qwen3_moe", "gpt_oss")
 
 FEATURES = """
 import json, os, sys, torch

@@ -17,8 +17,9 @@ last tap, as `load_target(layers=...)`), sharded, given empty storage on this ra
 by torch.distributed.checkpoint's `HuggingFaceStorageReader`, which reads from the safetensors files
 only the rows of each weight that this rank keeps. Buffers that no checkpoint holds (rotary frequency
 tables, Gemma's embedding scale) are computed by transformers on a copy of the model with no decoder
-layers. Read as the model names its weights: a checkpoint that transformers converts on load (GGUF
-files, older MoE layouts with one tensor per expert) is refused with the keys that do not match.
+layers. Weights are read under the model's own names, or, for a fused expert tensor, under the
+per-expert names that MoE checkpoints use (each rank reads only its experts); a checkpoint that needs
+another conversion (GGUF, renamed weights) is refused with the keys that do not match.
 """
 
 from __future__ import annotations
@@ -93,28 +94,69 @@ def _fill_buffers(model: PreTrainedModel, whole_config, dtype: torch.dtype) -> N
 
 
 def _state_to_load(model: PreTrainedModel, stored: dict, path, partial: bool) -> dict:
-    """The model's state_dict entries the checkpoint fills; a weight it lacks (other than one tied to a
-    weight it holds) or holds in another shape is an error, one it holds and the model does not use a
-    warning (with `partial`, except those of the layers left out)."""
+    """What to fill from the checkpoint: the model's state_dict entries under their own names, and the
+    experts of a fused expert tensor under the checkpoint's per-expert names (`_expert_views`). A weight
+    the checkpoint lacks (other than one tied to a weight it holds) or holds in another shape is an
+    error, one it holds and the model does not use a warning (with `partial`, except those of the
+    layers left out)."""
     state = model.state_dict()
     filled = {key: t for key, t in state.items() if key in stored}
+    used = set(filled)
+    missing = []
+    for key, t in state.items():
+        views = None if key in stored else _expert_views(key, t, stored)
+        if views is not None:
+            filled |= views[0]
+            used |= views[1]
+        elif key not in stored:
+            missing.append(key)
     held = {_storage(t) for t in filled.values()}
-    missing = [k for k, t in state.items() if k not in stored and _storage(t) not in held]
+    missing = [k for k in missing if _storage(state[k]) not in held]
     shapes = [k for k, t in filled.items() if tuple(stored[k].size) != tuple(t.shape)]
     if missing or shapes:
         kinds = (("missing from the checkpoint", missing), ("of another shape", shapes))
         problems = "; ".join(f"{what}: {_named(keys)}" for what, keys in kinds if keys)
         raise ValueError(
             f"{path}: the weights do not fit {type(model).__name__} as it names them ({problems}); "
-            "a sharded target reads checkpoints in the model's own layout, and converts none (such as MoE "
-            "experts stored one tensor per expert, which transformers fuses on load): load it whole"
+            "a sharded target reads checkpoints in the model's own layout, or with one tensor per "
+            "expert where the model fuses them: load it whole"
         )
     attr = decoder_layers(model)[1]
     depth = len(decoder_layers(model)[2])
-    unused = [k for k in stored if k not in state and not (partial and _layer_index(k, attr, depth))]
+    unused = [k for k in stored if k not in used and not (partial and _layer_index(k, attr, depth))]
     if unused:
         warnings.warn(f"{path}: weights {type(model).__name__} does not use: {_named(unused)}", stacklevel=3)
     return filled
+
+
+# A fused expert tensor [experts, ...] of the model and the per-expert weights a checkpoint stores it as,
+# concatenated along the expert's first axis (transformers fuses them so on load for Qwen3-MoE,
+# DeepSeek-V3, Qwen3-Next and the other families of its qwen2_moe conversion).
+EXPERT_PARTS = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
+
+
+def _expert_views(key: str, tensor: torch.Tensor, stored: dict) -> tuple[dict, set] | None:
+    """For a fused expert tensor stored one tensor per expert: ({checkpoint name: the view of this rank's
+    shard it fills}, every checkpoint name the tensor takes, this rank's or not); else None."""
+    prefix, dot, name = key.rpartition("experts.")
+    parts = EXPERT_PARTS.get(name)
+    if not dot or parts is None or f"{prefix}experts.0.{parts[0]}.weight" not in stored:
+        return None
+    local, first = tensor, 0
+    if isinstance(tensor, DTensor):  # sharded along the experts, in torch.chunk's pieces
+        local = tensor.to_local()
+        first = tensor.device_mesh.get_local_rank() * -(-tensor.shape[0] // tensor.device_mesh.size())
+    names = lambda e: [f"{prefix}experts.{e}.{p}.weight" for p in parts]  # noqa: E731
+    views = {}
+    for i in range(local.shape[0]):
+        keys = names(first + i)
+        if not all(k in stored for k in keys):
+            return None
+        sizes = [stored[k].size[0] for k in keys]
+        if sum(sizes) != local.shape[1]:
+            return None
+        views |= dict(zip(keys, torch.split(local[i], sizes), strict=True))
+    return views, {k for e in range(tensor.shape[0]) for k in names(e)}
 
 
 def _storage(t: torch.Tensor) -> int:
