@@ -105,6 +105,12 @@ class TrainConfig(_Strict):
     num_anchors: int = Field(512, ge=1, description="anchors sampled per row")
     anchors_per_document: int | None = Field(None, ge=1, description="cap of anchors in one packed document")
     gamma: float | None = Field(None, gt=0, description="slot weight decay; by block size when unset")
+    position_weights: Literal["gamma", "dpace"] = Field(
+        "gamma",
+        description="how a block's slots are weighted: gamma, a fixed decay exp(-(k - 1) / gamma); dpace, "
+        "each slot by its share of the gradient of the expected acceptance length, from the drafter's "
+        "current probabilities of the labels (D-PACE, arXiv 2605.18810)",
+    )
     distill: float = Field(
         0.0,
         ge=0,

@@ -1,5 +1,5 @@
-"""Gamma-weighted block cross-entropy through the frozen lm_head, with per-slot accuracy and the
-training-time acceptance length (1 + correct slots before the first miss, per block).
+"""Gamma-weighted (or D-PACE-weighted) block cross-entropy through the frozen lm_head, with per-slot
+accuracy and the training-time acceptance length (1 + correct slots before the first miss, per block).
 
 Logits are computed chunk by chunk under activation checkpointing, so a 151,936-wide vocabulary
 never materialises logits for all draft positions at once (forward or backward).
@@ -54,6 +54,19 @@ def _chunk_ce(
     return loss, logits.argmax(-1)
 
 
+def dpace_weights(ce: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """D-PACE slot weights [blocks, B-1] from each label's loss `ce` (no gradient) and the fixed
+    `weights` (loss mask x validity x decay): the expected acceptance length of a block, with p_k the
+    drafter's probability of label k and a label without weight ending the run as in decoding, is
+    L = sum_k prod_{i<=k} p_i, so dL/dlog p_j = sum_{k>=j} prod_{i<=k} p_i, and cross-entropy weighted
+    so has L's gradient (negated). Scaled to the fixed weights' sum, so the step's normalisation holds."""
+    live = weights > 0
+    p = torch.exp(-ce) * live
+    run = torch.cumprod(p, dim=1)
+    w = run.flip(1).cumsum(1).flip(1) * live
+    return w * (weights.sum() / w.sum().clamp(min=1e-30))
+
+
 def block_loss(
     hidden: torch.Tensor,
     lm_head_weight: torch.Tensor,
@@ -63,6 +76,7 @@ def block_loss(
     recompute: bool = True,
     teacher: torch.Tensor | None = None,
     distill: float = 0.0,
+    dpace: bool = False,
 ) -> BlockLoss:
     """hidden [b, n*B, D] -> weighted CE over slots 1..B-1 (slot 0, the anchor, has no loss and
     no logits are computed for it).
@@ -72,6 +86,7 @@ def block_loss(
     lm_head matmul. teacher [b * n * (B-1), D], distill: soft-label distillation, the target's final
     hidden state before each label of slots 1..B-1; each position's loss is (1 - distill) x CE +
     distill x KL(target || drafter), the target's logits computed at those positions only.
+    dpace: the weights' slot decay is replaced by `dpace_weights` (the positions with a weight keep one).
     """
     b, n, bs = labels.shape
     h = hidden.view(b, n, bs, -1)[:, :, 1:].reshape(b * n * (bs - 1), -1)
@@ -82,6 +97,7 @@ def block_loss(
     slot = torch.arange(1, bs, device=hidden.device).repeat(b * n)
     counted = torch.zeros(bs, device=hidden.device).index_add_(0, slot, (w > 0).float())
     hits = torch.empty_like(y, dtype=torch.bool)
+    losses = []
     for start in range(0, h.shape[0], chunk_rows):
         sl = slice(start, start + chunk_rows)
         hc, yc, wc = h[sl], y[sl], w[sl]
@@ -90,8 +106,14 @@ def block_loss(
             ce, pred = checkpoint(_chunk_ce, hc, lm_head_weight, yc, tc, distill, use_reentrant=False)
         else:
             ce, pred = _chunk_ce(hc, lm_head_weight, yc, tc, distill)
-        total = total + (ce * wc).sum()
+        if dpace:
+            losses.append(ce)
+        else:
+            total = total + (ce * wc).sum()
         hits[sl] = (pred == yc) & (wc > 0)
+    if dpace:
+        ce = torch.cat(losses)
+        total = (ce * dpace_weights(ce.detach().view(b * n, bs - 1), w.view(b * n, bs - 1)).view(-1)).sum()
     correct.index_add_(0, slot, hits.float())
     # a masked label (no loss) ends the run: speculative decoding would stop at a turn's end too
     hits = hits.view(b * n, bs - 1)

@@ -31,6 +31,7 @@ class Kernels:
     compiled: bool = False  # the drafter's layers and the block mask compiled
     recompute_logits: bool = True  # the loss recomputes the lm_head logits in backward
     distill: float = 0.0  # the loss's weight of KL to the target's distribution (0: hard-label CE)
+    dpace: bool = False  # slots weighted by their share of d E[acceptance length] (loss.dpace_weights)
 
 
 @dataclass(frozen=True)
@@ -197,4 +198,5 @@ def micro_step_loss(
             recompute=kernels.recompute_logits,
             teacher=teacher,
             distill=kernels.distill,
+            dpace=kernels.dpace,
         )

@@ -458,7 +458,13 @@ class Trainer:
         self.compiled = cfg.compile if cfg.compile is not None else self.device.type == "cuda"
         self.attention = resolve_attention(cfg.attention, self.device, drafter.config.head_dim)
         self.spec = StepSpec(
-            Kernels(self.attention, self.compiled, cfg.recompute_logits, cfg.distill),
+            Kernels(
+                self.attention,
+                self.compiled,
+                cfg.recompute_logits,
+                cfg.distill,
+                cfg.position_weights == "dpace",
+            ),
             cfg.num_anchors,
             drafter.block_size,
             drafter.mask_token_id,
