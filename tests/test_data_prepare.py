@@ -279,3 +279,29 @@ def test_a_prepared_dataset_is_never_destroyed_by_a_later_run(tokenizer_dir, mix
     assert stats["records_read"] == len(bad_at) == stats["rejected"] and stats["kept"] == 0
     assert (out / "rejected.jsonl").read_bytes() == before["rejected.jsonl"]  # the same bad records, again
     assert not [p for p in out.iterdir() if p.name.startswith(".")]
+
+
+def test_each_record_is_rendered_in_its_own_thinking_mode(tiny_tokenizer, tmp_path):
+    """Answers regenerated with thinking on and off in one file (`data regenerate` records the mode):
+    each is rendered as it was written; a record without a mode takes --thinking's."""
+    from test_data_tokenize import QWEN3_TEMPLATE
+
+    records = [chat(0) | {"enable_thinking": True}, chat(1) | {"enable_thinking": False}, chat(2)]
+    records.append(chat(3) | {"enable_thinking": "yes"})
+    path = tmp_path / "mixed.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    stats, _ = run_prepare(
+        tiny_tokenizer, path, tmp_path / "out", enable_thinking=True, chat_template=QWEN3_TEMPLATE
+    )
+    ds = load_token_dataset(tmp_path / "out")
+    assert ds["id"] == ["c0", "c1", "c2"]
+    for row, record, mode in zip(ds, records, (True, False, True), strict=False):
+        expected = tokenize_conversation(
+            tiny_tokenizer, record["messages"], enable_thinking=mode, chat_template=QWEN3_TEMPLATE
+        )
+        assert (row["input_ids"], row["loss_mask"]) == expected
+    off = tokenize_conversation(
+        tiny_tokenizer, records[0]["messages"], enable_thinking=False, chat_template=QWEN3_TEMPLATE
+    )
+    assert ds[0]["loss_mask"] != off[1]  # thinking on trains the think block; off, the prompt supplies it
+    assert stats["rejected"] == 1 and stats["rejected_by_reason"]["bad_structure"] == 1

@@ -178,6 +178,7 @@ def test_thinking_mode_and_separate_reasoning(fake_server, tmp_path):
     assert server.requests[0]["chat_template_kwargs"] == {"enable_thinking": False}
     (row,) = read_jsonl(tmp_path / "o")
     assert row["messages"][1]["content"] == "<think>\nthinking\n</think>\n\nans0:q0.0"
+    assert row["enable_thinking"] is False  # recorded: `data prepare` renders the record in this mode
 
 
 def test_a_prompt_without_answer_gets_one_appended(fake_server, tmp_path):

@@ -86,9 +86,11 @@ class Conversation:
     id: str
     messages: list[dict[str, str]]
     where: str = ""  # FILE:LINE it was read from
+    enable_thinking: bool | None = None  # the mode its answers were written in (Qwen3-style templates)
 
     def to_json(self) -> dict:
-        return {"id": self.id, "messages": self.messages}
+        mode = {} if self.enable_thinking is None else {"enable_thinking": self.enable_thinking}
+        return {"id": self.id, "messages": self.messages, **mode}
 
 
 def with_reasoning(content: str, reasoning: str) -> str:
@@ -265,7 +267,10 @@ def parse_record(record: RawRecord, require_answers: bool = True) -> Conversatio
         )
     if require_answers:
         _check_answers(messages)
-    return Conversation(_record_id(obj.get("id"), record), messages, record.where)
+    mode = obj.get("enable_thinking")
+    if mode is not None and not isinstance(mode, bool):
+        raise ConversationError("bad_structure", f"enable_thinking must be true or false, not {mode!r}")
+    return Conversation(_record_id(obj.get("id"), record), messages, record.where, mode)
 
 
 def _decode(raw: bytes) -> object:

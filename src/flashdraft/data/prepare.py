@@ -185,6 +185,7 @@ def _validate(raw_records: Iterable[RawRecord], rejects: Rejects, arrow_path: Pa
     columns = [
         ("id", pa.string()),
         ("messages", pa.list_(message)),
+        ("enable_thinking", pa.bool_()),  # null: the option's mode
         ("where", pa.string()),
         ("raw", pa.string()),
     ]
@@ -202,7 +203,8 @@ def _validate(raw_records: Iterable[RawRecord], rejects: Rejects, arrow_path: Pa
                 rejects.add(record.where, record.raw, e)
                 continue
             digest.update(conv.id.encode() + b"\0" + record.raw + b"\n")
-            rows.append({**conv.to_json(), "where": record.where, "raw": record.raw.decode("utf-8")})
+            row = {**conv.to_json(), "enable_thinking": conv.enable_thinking}
+            rows.append({**row, "where": record.where, "raw": record.raw.decode("utf-8")})
             if len(rows) == 1000:
                 writer.write_batch(pa.RecordBatch.from_pylist(rows, schema))
                 rows = []
@@ -262,9 +264,10 @@ def _tokenize(validated, tokenizer, options: PrepareOptions, key: str):
 def _tokenize_batch(batch: dict, tokenizer, options: PrepareOptions) -> dict:
     keys = ("input_ids", "loss_mask", "length", "id", "reject", "error", "truncated")
     out: dict[str, list] = {k: [] for k in keys}
-    for record_id, messages in zip(batch["id"], batch["messages"], strict=True):
+    modes = batch["enable_thinking"]
+    for record_id, messages, mode in zip(batch["id"], batch["messages"], modes, strict=True):
         try:
-            ids, mask, truncated = _tokenize_one(tokenizer, messages, options)
+            ids, mask, truncated = _tokenize_one(tokenizer, messages, options, mode)
             reject = error = ""
         except ConversationError as e:
             ids, mask, truncated, reject, error = [], [], False, e.reason, str(e)
@@ -273,9 +276,13 @@ def _tokenize_batch(batch: dict, tokenizer, options: PrepareOptions) -> dict:
     return out
 
 
-def _tokenize_one(tokenizer, messages: list[dict], options: PrepareOptions) -> tuple[list, list, bool]:
+def _tokenize_one(
+    tokenizer, messages: list[dict], options: PrepareOptions, mode: bool | None = None
+) -> tuple[list, list, bool]:
+    """One conversation rendered in its own thinking mode (`mode`, from its record) or the options'."""
+    thinking = options.enable_thinking if mode is None else mode
     ids, mask = tokenize_conversation(
-        tokenizer, messages, enable_thinking=options.enable_thinking, chat_template=options.chat_template
+        tokenizer, messages, enable_thinking=thinking, chat_template=options.chat_template
     )
     limit = options.max_length
     if limit is None or len(ids) <= limit:

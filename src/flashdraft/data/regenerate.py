@@ -261,6 +261,7 @@ class LocalBackend:
             tokenizer.pad_token_id = min(self.stop_ids)
         self.tokenizer = tokenizer
         self.batch_size = batch_size
+        self.enable_thinking = enable_thinking
         self.template_kwargs = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
         sampling = (
             {"do_sample": True, "temperature": temperature} if temperature > 0 else {"do_sample": False}
@@ -467,7 +468,7 @@ def regenerate_file(
         open(out, "a", encoding="utf-8") as out_file,
         open(failed_path, "w", encoding="utf-8") as failed_file,
     ):
-        sink = _Sink(out_file, failed_file, summary)
+        sink = _Sink(out_file, failed_file, summary, getattr(backend, "enable_thinking", None))
         with progress_bar("regenerate", total, progress) as advance:
             todo = _records_to_do(input_path, split, done, sink, advance)
             for conv, result in backend.regenerate_each(islice(todo, limit)):
@@ -479,8 +480,9 @@ def regenerate_file(
 class _Sink:
     """Appends results and failures as JSON lines, each flushed, and counts them."""
 
-    def __init__(self, out_file, failed_file, summary: RegenerateSummary):
+    def __init__(self, out_file, failed_file, summary: RegenerateSummary, thinking: bool | None = None):
         self.out_file, self.failed_file, self.summary = out_file, failed_file, summary
+        self.mode = {} if thinking is None else {"enable_thinking": thinking}  # recorded for data prepare
 
     def write(self, conv: Conversation, result: Regenerated | ConversationError) -> None:
         if isinstance(result, Regenerated) and _empty_answer(result):
@@ -489,6 +491,7 @@ class _Sink:
             self.fail(conv.id, conv.where, result)
             return
         record = {"id": conv.id, "messages": result.messages, "truncated_turns": result.truncated_turns}
+        record |= self.mode
         _append(self.out_file, record)
         self.summary.regenerated += 1
         self.summary.truncated_turns += result.truncated_turns
