@@ -5,11 +5,11 @@ softmax(logits / T). A deterministic draft d is then accepted with probability p
 the target's top probability, so tau at T > 0 is bounded by how peaked the target's distributions are
 and not only by the drafter. What a drafter trained to predict the target's most likely tokens tends
 to is the target's own greedy chain (a bound for such drafters, not for every deterministic one: a
-chain through a less likely first token can hold longer runs after it): draft 1 = the target's argmax after the verified tokens and the
-last token, draft 2 = its argmax after those and draft 1, and so on. `TargetGreedyProposer` drafts that
-chain (B - 1 one-token forwards of the target per cycle: a measurement, not a speed-up), so its tau at
-T = 1 is the ceiling a DFlash drafter of this kind approaches under this verification; at T = 0 every
-draft is accepted (tau = B).
+chain through a less likely first token can hold longer runs after it): draft 1 = the target's argmax
+after the verified tokens and the last token, draft 2 = its argmax after those and draft 1, and so on.
+`TargetGreedyProposer` drafts that chain (B - 1 one-token forwards of the target per cycle: a
+measurement, not a speed-up), so its tau at T = 1 is the ceiling a DFlash drafter of this kind
+approaches under this verification; at T = 0 every draft is accepted (tau = B).
 
 The same cycles can be read off plain decoding, for its cost (`greedy_draft_cycles`): with
 the greedy chain as drafts, a drawn token is accepted exactly when it is the target's argmax there, and
