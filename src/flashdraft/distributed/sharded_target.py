@@ -35,7 +35,14 @@ from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from flashdraft.distributed.topology import Topology
-from flashdraft.model.target import decoder_layers, first_layers_config, load_tokenizer, target_config
+from flashdraft.model.target import (
+    decoder_layers,
+    first_layers_config,
+    left_out,
+    load_tokenizer,
+    named_keys,
+    target_config,
+)
 
 
 def load_sharded_target(
@@ -115,7 +122,7 @@ def _state_to_load(model: PreTrainedModel, stored: dict, path, partial: bool) ->
     shapes = [k for k, t in filled.items() if tuple(stored[k].size) != tuple(t.shape)]
     if missing or shapes:
         kinds = (("missing from the checkpoint", missing), ("of another shape", shapes))
-        problems = "; ".join(f"{what}: {_named(keys)}" for what, keys in kinds if keys)
+        problems = "; ".join(f"{what}: {named_keys(keys)}" for what, keys in kinds if keys)
         raise ValueError(
             f"{path}: the weights do not fit {type(model).__name__} as it names them ({problems}); "
             "a sharded target reads checkpoints in the model's own layout, or with one tensor per "
@@ -123,9 +130,11 @@ def _state_to_load(model: PreTrainedModel, stored: dict, path, partial: bool) ->
         )
     attr = decoder_layers(model)[1]
     depth = len(decoder_layers(model)[2])
-    unused = [k for k in stored if k not in used and not (partial and _layer_index(k, attr, depth))]
+    unused = [k for k in stored if k not in used and not left_out(k, attr, depth if partial else None)]
     if unused:
-        warnings.warn(f"{path}: weights {type(model).__name__} does not use: {_named(unused)}", stacklevel=3)
+        warnings.warn(
+            f"{path}: weights {type(model).__name__} does not use: {named_keys(unused)}", stacklevel=3
+        )
     return filled
 
 
@@ -161,20 +170,6 @@ def _expert_views(key: str, tensor: torch.Tensor, stored: dict) -> tuple[dict, s
 
 def _storage(t: torch.Tensor) -> int:
     return (t.to_local() if isinstance(t, DTensor) else t).untyped_storage().data_ptr()
-
-
-def _layer_index(key: str, attr: str, loaded: int) -> bool:
-    """Whether `key` is a weight of a decoder layer at index `loaded` or later."""
-    parts = key.split(".")
-    for i, part in enumerate(parts[:-1]):
-        if part == attr and parts[i + 1].isdigit():
-            return int(parts[i + 1]) >= loaded
-    return False
-
-
-def _named(keys) -> str:
-    keys = sorted(str(k) for k in keys)
-    return ", ".join(keys[:4]) + (f" and {len(keys) - 4} more" if len(keys) > 4 else "")
 
 
 def resident_bytes(model: torch.nn.Module) -> dict[str, int]:

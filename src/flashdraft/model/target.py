@@ -409,30 +409,33 @@ def _check_loaded(path_or_id, model: PreTrainedModel, info: dict, layers: int | 
     left at random); weights the checkpoint holds and the model does not use are named in a warning,
     except (with `layers`) those of the decoder layers from `layers` on."""
     _, attr, _ = decoder_layers(model)
-    left_out = re.compile(rf"\.{re.escape(attr)}\.(\d+)\.")
-
-    def expected(key: str) -> bool:
-        m = left_out.search(key)
-        return layers is not None and m is not None and int(m.group(1)) >= layers
-
-    def named(keys) -> str:
-        keys = sorted(str(k) for k in keys)
-        return ", ".join(keys[:4]) + (f" and {len(keys) - 4} more" if len(keys) > 4 else "")
-
-    unused = [k for k in info.get("unexpected_keys", ()) if not expected(k)]
+    unused = [k for k in info.get("unexpected_keys", ()) if not left_out(k, attr, layers)]
     if unused:
         warnings.warn(
-            f"{path_or_id}: weights {type(model).__name__} does not use: {named(unused)}", stacklevel=3
+            f"{path_or_id}: weights {type(model).__name__} does not use: {named_keys(unused)}", stacklevel=3
         )
     problems = {
         "missing from the checkpoint": info.get("missing_keys", ()),
         "of another shape": info.get("mismatched_keys", ()),
     }
-    problems = [f"{k}: {named(v)}" for k, v in problems.items() if v]
+    problems = [f"{k}: {named_keys(v)}" for k, v in problems.items() if v]
     if problems:
         raise ValueError(
             f"{path_or_id}: the weights do not fit {type(model).__name__} ({'; '.join(problems)})"
         )
+
+
+def left_out(key: str, attr: str, layers: int | None) -> bool:
+    """Whether checkpoint key `key` is a weight of a decoder layer (in the list named `attr`) at index
+    `layers` or later: one a partial load leaves out (never, with `layers` None)."""
+    m = re.search(rf"\.{re.escape(attr)}\.(\d+)\.", key)
+    return layers is not None and m is not None and int(m.group(1)) >= layers
+
+
+def named_keys(keys) -> str:
+    """The first few of `keys`, sorted, for a message."""
+    keys = sorted(str(k) for k in keys)
+    return ", ".join(keys[:4]) + (f" and {len(keys) - 4} more" if len(keys) > 4 else "")
 
 
 def target_config(path_or_id: str | Path):
