@@ -155,6 +155,27 @@ def _write_lines(path: Path, records: list[dict]) -> Path:
     return path
 
 
+def prompt_kinds(scale: RealScale) -> dict[str, tuple[int, str | None]]:
+    """The kinds of user turn the scale synthesizes: name -> (count, system message)."""
+    kinds = {"chat": (scale.prompts, None), "code": (scale.code_prompts, CODE_SYSTEM)}
+    return {k: v for k, v in kinds.items() if v[0]}
+
+
+def prompt_split(out: Path, scale: RealScale) -> tuple[list[dict], list[dict]]:
+    """The synthesized user turns under `out`: those answered for training, and the last `held_out` of
+    each kind, kept apart as eval prompts (ids prefixed by their kind)."""
+    train, held = [], []
+    for kind in prompt_kinds(scale):
+        turns = [r | {"id": f"{kind}-{r['id']}"} for r in _lines(out / f"prompts.{kind}.jsonl")]
+        train, held = train + turns[: -scale.held_out], held + turns[-scale.held_out :]
+    return train, held
+
+
+def drafter_settings(scale: RealScale, tokenizer) -> dict:
+    """The drafter's `flashdraft train` overrides at this scale, with SmolLM2's MASK token."""
+    return {**scale.train, "drafter.mask_token_id": tokenizer.convert_tokens_to_ids(MASK_TOKEN)}
+
+
 STAGES = ("target", "prompts", "regenerate", "prepare", "drafter", "eval", "reference")
 
 
@@ -211,8 +232,7 @@ def run_real_target(
     model, tokenizer = None, None
     if todo("prompts") or todo("regenerate"):
         model, tokenizer = load_target(target_dir, scale.device)
-    kinds = {"chat": (scale.prompts, None), "code": (scale.code_prompts, CODE_SYSTEM)}
-    kinds = {k: v for k, v in kinds.items() if v[0]}
+    kinds = prompt_kinds(scale)
     if todo("prompts"):
         synthesis = {}
         for kind, (count, system) in kinds.items():
@@ -227,11 +247,7 @@ def run_real_target(
         step_1, verify = decode_costs(model, block=16)
         if done("prompts", synthesis=synthesis, decode_step_s=round(step_1, 4), verify_s=round(verify, 4)):
             return summary
-    train, held = [], []
-    for kind in kinds:
-        turns = [r | {"id": f"{kind}-{r['id']}"} for r in _lines(out / f"prompts.{kind}.jsonl")]
-        train, held = train + turns[: -scale.held_out], held + turns[-scale.held_out :]
-
+    train, held = prompt_split(out, scale)
     conversations = out / "conversations.jsonl"
     temperatures = (0.0, 1.0) if scale.sampled else (0.0,)
     if todo("regenerate"):
@@ -275,7 +291,7 @@ def run_real_target(
         cycles += scale.reference_prompts * scale.eval_tokens  # its DFlash, at T = 0
         # plain, DFlash and n-gram at one token a cycle (the worst case), and the loads
         eval_s = 0 if evals_later else cycles * (summary["decode_step_s"] + 2 * summary["verify_s"]) + 30
-        settings = {**scale.train, "drafter.mask_token_id": tokenizer.convert_tokens_to_ids(MASK_TOKEN)}
+        settings = drafter_settings(scale, tokenizer)
         if "drafter_plan" not in summary:
             summary["drafter_plan"] = _calibrate(scale, settings, target_dir, data_dir, out)
         plan = summary["drafter_plan"]

@@ -404,23 +404,28 @@ def run_methods(
     seed: int = 0,
     progress=None,
     cuda_graphs: bool = False,
+    methods: Sequence[str] = METHODS,
 ) -> dict[str, list[Generation]]:
-    """Every prompt through plain decoding, DFlash and prompt lookup, interleaved so that drifting clocks
-    hit all three alike; one short warm-up run per method first (allocator, kernels, graph capture) is
-    not measured. cuda_graphs: every method's target forwards and the drafter's on fixed-shape caches,
-    replayed as CUDA graphs on a GPU (flashdraft.eval.static)."""
+    """Every prompt through plain decoding, DFlash and prompt lookup (or the `methods` named), interleaved
+    so that drifting clocks hit all alike; one short warm-up run per method first (allocator, kernels,
+    graph capture) is not measured. cuda_graphs: every method's target forwards and the drafter's on
+    fixed-shape caches, replayed as CUDA graphs on a GPU (flashdraft.eval.static). A method's samples do
+    not depend on which others run: each prompt's sampling generator is seeded per method."""
+    unknown = set(methods) - set(METHODS)
+    if unknown or not methods:
+        raise ValueError(f"methods must be among {METHODS}, got {list(methods)}")
     device = target.device
     static, static_dflash = (
         static_decoders(target, drafter, prompts, max_new_tokens, block_size) if cuda_graphs else (None, None)
     )
-    proposers = {m: (lambda m=m: _proposer(m, drafter, target, static_dflash)) for m in METHODS}
-    results: dict[str, list[Generation]] = {m: [] for m in METHODS}
+    proposers = {m: (lambda m=m: _proposer(m, drafter, target, static_dflash)) for m in methods}
+    results: dict[str, list[Generation]] = {m: [] for m in methods}
     warm = torch.tensor([prompts[0]], device=device)
-    for method in METHODS:
+    for method in methods:
         generate(target, warm, min(16, max_new_tokens), proposers[method](), block_size, static=static)
     for i, prompt in enumerate(prompts):
         ids = torch.tensor([prompt], device=device)
-        for method in METHODS:
+        for method in methods:
             gen = torch.Generator(device=device).manual_seed(seed + i)
             results[method].append(
                 generate(

@@ -1,0 +1,98 @@
+"""Recipe variants compared at equal tokens (recipes.variants, scripts/compare_recipes.py)."""
+
+import json
+
+import pytest
+import torch
+import yaml
+
+from flashdraft.data.packing import save_token_dataset
+from flashdraft.eval.spec import decoding_target, encode_prompt, run_methods
+from flashdraft.model.checkpoint import latest_checkpoint, load_drafter
+from flashdraft.model.target import load_target, stop_token_ids
+from helpers import random_docs
+from recipes.variants import Comparison, open_comparison, parse_variant, run_comparison
+
+PROMPTS = {
+    "code": [[{"role": "user", "content": "def add(a, b):"}], [{"role": "user", "content": "import os\n"}]],
+    "chat": [[{"role": "user", "content": "Say hello."}]],
+}
+BASE = {
+    "data.seq_len": 128, "data.rows_per_batch": 2, "num_anchors": 8, "drafter.num_layers": 1,
+    "drafter.num_taps": 2, "drafter.block_size": 8, "log_every": 2, "optim.warmup_ratio": 0.2, "epochs": 4,
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("data")
+    save_token_dataset(random_docs([70, 90, 120, 60, 100, 80] * 2, seed=5, prompt_len=10), path)
+    return path
+
+
+def _comparison(target, data, **over):
+    fields = dict(
+        target=str(target), data=str(data), base=BASE, steps=4, prompts=PROMPTS, max_new_tokens=12,
+        device="cpu", variants={"today": {}, "dpace": {"position_weights": "dpace"}},
+    )  # fmt: skip
+    return Comparison(**(fields | over))
+
+
+def test_a_variant_is_a_name_and_its_settings():
+    assert parse_variant("today") == ("today", {})
+    assert parse_variant("mix:distill=0.5,drafter.num_layers=6") == (
+        "mix",
+        {"distill": 0.5, "drafter.num_layers": 6},
+    )
+    with pytest.raises(ValueError, match="expected NAME:KEY=VALUE"):
+        parse_variant("mix:distill")
+
+
+def test_a_comparison_is_checked_before_it_starts_and_cannot_change(tiny_target_dir, data_dir, tmp_path):
+    with pytest.raises(ValueError, match="(?s)variant 'bad'.*position_weights"):
+        open_comparison(
+            tmp_path / "a",
+            _comparison(tiny_target_dir, data_dir, variants={"bad": {"position_weights": "x"}}),
+        )
+    with pytest.raises(ValueError, match="variant name 'ngram'"):
+        open_comparison(tmp_path / "b", _comparison(tiny_target_dir, data_dir, variants={"ngram": {}}))
+    cmp = open_comparison(tmp_path / "c", _comparison(tiny_target_dir, data_dir))
+    assert open_comparison(tmp_path / "c", None) == cmp == open_comparison(tmp_path / "c", cmp)
+    with pytest.raises(ValueError, match="holds another comparison"):
+        open_comparison(tmp_path / "c", _comparison(tiny_target_dir, data_dir, steps=5))
+
+
+@pytest.mark.slow
+def test_variants_train_equal_tokens_and_their_served_tau_is_compared(tiny_target_dir, data_dir, tmp_path):
+    out = tmp_path / "cmp"
+    cmp = open_comparison(out, _comparison(tiny_target_dir, data_dir))
+    table = run_comparison(cmp, out, minutes=10, say=lambda _: None)
+    assert table == json.loads((out / "table.json").read_text())
+    # every variant trained the same steps on the same micro-batches, and differently
+    training = table["training"]
+    assert {t["steps"] for t in training.values()} == {4} and training["today"]["tokens"] > 0
+    assert training["today"]["tokens"] == training["dpace"]["tokens"]
+    a, b = (latest_checkpoint(out / n / "run" / "checkpoints") for n in ("today", "dpace"))
+    assert a.name == b.name == "step_000004"
+    saved = {n: yaml.safe_load((out / n / "run" / "config.yaml").read_text()) for n in ("today", "dpace")}
+    assert (saved["today"]["position_weights"], saved["dpace"]["position_weights"]) == ("gamma", "dpace")
+    wa, wb = load_drafter(a).state_dict(), load_drafter(b).state_dict()
+    assert not all(torch.equal(wa[k], wb[k]) for k in wa)
+    rows = {(r["set"], r["temperature"], r["variant"]): r for r in table["rows"]}
+    assert len(rows) == 2 * 2 * 2
+    for (s, t, name), r in rows.items():
+        assert r["vs_reference"]["ratio"] == (
+            1.0 if name == "today" else r["tau"] / rows[s, t, "today"]["tau"]
+        )
+    # each variant's tau is what a plain eval of its checkpoint gives with every method running
+    model, tokenizer = load_target(tiny_target_dir, "cpu")
+    drafter = load_drafter(b, "cpu").eval()
+    ids = [encode_prompt(tokenizer, c) for c in PROMPTS["code"]]
+    for t in (0.0, 1.0):
+        full = run_methods(
+            decoding_target(model, drafter), drafter, ids, 12, 8, t, stop_token_ids(model, tokenizer)
+        )
+        for who, method in (("dpace", "dflash"), ("ngram", "ngram")):
+            report = json.loads((out / who / f"code_t{t:g}.json").read_text())
+            assert report["outputs"] == [g.tokens for g in full[method]]  # the same samples at T = 1
+            assert report["tau_per_sample"] == pytest.approx([g.tau for g in full[method]])
