@@ -1,5 +1,6 @@
-"""D-PACE slot weights (`position_weights: dpace`): the weighted cross-entropy has the gradient of the
-expected acceptance length, and a run trains with them."""
+"""D-PACE slot weights (`position_weights: dpace`): unsmoothed, the weighted cross-entropy has the
+gradient of the expected acceptance length; smoothed, it keeps its weight where the drafter is wrong;
+a run trains with them."""
 
 import pytest
 import torch
@@ -19,11 +20,12 @@ def _blocks(seed: int = 0, b: int = 2, n: int = 3, bs: int = 5, d: int = 8, voca
     return hidden, head, labels, weights
 
 
-def test_the_weights_are_each_slots_share_of_the_expected_acceptance_length():
+@pytest.mark.parametrize("alpha", [0.0, 0.5])
+def test_the_weights_are_each_slots_share_of_the_expected_acceptance_length(alpha):
     ce = torch.tensor([[0.1, 0.5, 2.0], [0.3, 0.2, 0.4]])
     fixed = torch.tensor([[1.0, 0.5, 0.25], [1.0, 0.0, 0.25]])  # block 2's run ends at its slot 2
-    w = dpace_weights(ce, fixed)
-    p = torch.exp(-ce)
+    w = dpace_weights(ce, fixed, alpha)
+    p = (1 - alpha) * torch.exp(-ce) + alpha
     direct = torch.tensor(
         [
             [
@@ -38,9 +40,21 @@ def test_the_weights_are_each_slots_share_of_the_expected_acceptance_length():
     assert w[0, 0] > w[0, 1] > w[0, 2] > 0  # earlier slots count in more of the runs
 
 
-def test_the_dpace_loss_has_the_gradient_of_the_expected_acceptance_length():
+def test_smoothed_weights_stay_where_the_drafter_is_wrong():
+    """Unsmoothed, a block the drafter already gets right takes all the weight and the loss vanishes
+    (what a run from a random start did on SmolLM2); smoothed, the blocks it gets wrong keep theirs."""
+    ce = torch.full((4, 15), 11.0)  # p ~ 2e-5: a drafter that knows nothing yet
+    ce[0] = 1e-4  # except one block it already gets right
+    fixed = torch.ones_like(ce)
+    for alpha, low, high in ((0.0, 0, 1e-4), (0.5, 0.05, 1)):
+        w = dpace_weights(ce, fixed, alpha)
+        assert low < w[1, 0] / w[0, 0] < high  # a wrong block's first slot against the right block's
+        assert low < (ce * w).sum() / (ce * fixed).sum() < high  # the loss, against the fixed weights'
+
+
+def test_the_unsmoothed_dpace_loss_has_the_gradient_of_the_expected_acceptance_length():
     hidden, head, labels, weights = _blocks()
-    out = block_loss(hidden, head, labels, weights, chunk_rows=7, dpace=True)  # chunks across blocks
+    out = block_loss(hidden, head, labels, weights, chunk_rows=7, dpace=0.0)  # chunks across blocks
     (grad,) = torch.autograd.grad(out.weighted_ce, hidden)
 
     b, n, bs = labels.shape
@@ -74,7 +88,7 @@ def test_a_run_trains_with_dpace_weights(tmp_path, tiny_target_dir):
             "tiny_cpu", position_weights=kind, max_steps=3, **{"drafter.num_layers": 1, "data.seq_len": 128}
         )
         trainer = build_trainer(cfg, tiny_target_dir, data, tmp_path / kind, device="cpu")
-        assert trainer.spec.kernels.dpace == (kind == "dpace")
+        assert trainer.spec.kernels.dpace == (0.5 if kind == "dpace" else None)
         result = trainer.run()
         losses[kind] = (result.first_loss, result.final_loss)
         trainer.close()

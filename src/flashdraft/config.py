@@ -111,6 +111,13 @@ class TrainConfig(_Strict):
         "each slot by its share of the gradient of the expected acceptance length, from the drafter's "
         "current probabilities of the labels (D-PACE, arXiv 2605.18810)",
     )
+    dpace_alpha: float = Field(
+        0.5,
+        ge=0,
+        lt=1,
+        description="with position_weights dpace: each slot's probability enters the expected acceptance "
+        "length as (1 - alpha) p + alpha; 0, the exact expectation, trains nothing from a random start",
+    )
     distill: float = Field(
         0.0,
         ge=0,

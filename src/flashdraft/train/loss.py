@@ -54,14 +54,18 @@ def _chunk_ce(
     return loss, logits.argmax(-1)
 
 
-def dpace_weights(ce: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+def dpace_weights(ce: torch.Tensor, weights: torch.Tensor, alpha: float = 0.5) -> torch.Tensor:
     """D-PACE slot weights [blocks, B-1] from each label's loss `ce` (no gradient) and the fixed
-    `weights` (loss mask x validity x decay): the expected acceptance length of a block, with p_k the
+    `weights` (loss mask x validity x decay). The expected acceptance length of a block, with p_k the
     drafter's probability of label k and a label without weight ending the run as in decoding, is
-    L = sum_k prod_{i<=k} p_i, so dL/dlog p_j = sum_{k>=j} prod_{i<=k} p_i, and cross-entropy weighted
-    so has L's gradient (negated). Scaled to the fixed weights' sum, so the step's normalisation holds."""
+    L = sum_k prod_{i<=k} p_i, and dL/dlog p_j = sum_{k>=j} prod_{i<=k} p_i: cross-entropy weighted so
+    has L's gradient (negated). That alone (alpha = 0) puts the weight where the drafter is already
+    right, whose cross-entropy has no gradient left: from a random start it trained nothing on
+    SmolLM2 (docs/results.md). So, as D-PACE does, each p_k enters the products as the smoothed
+    (1 - alpha) p_k + alpha, which keeps weight on the slots that end the runs. Scaled to the fixed
+    weights' sum, so the step's normalisation holds."""
     live = weights > 0
-    p = torch.exp(-ce) * live
+    p = ((1 - alpha) * torch.exp(-ce) + alpha) * live
     run = torch.cumprod(p, dim=1)
     w = run.flip(1).cumsum(1).flip(1) * live
     return w * (weights.sum() / w.sum().clamp(min=1e-30))
@@ -76,7 +80,7 @@ def block_loss(
     recompute: bool = True,
     teacher: torch.Tensor | None = None,
     distill: float = 0.0,
-    dpace: bool = False,
+    dpace: float | None = None,
 ) -> BlockLoss:
     """hidden [b, n*B, D] -> weighted CE over slots 1..B-1 (slot 0, the anchor, has no loss and
     no logits are computed for it).
@@ -86,7 +90,8 @@ def block_loss(
     lm_head matmul. teacher [b * n * (B-1), D], distill: soft-label distillation, the target's final
     hidden state before each label of slots 1..B-1; each position's loss is (1 - distill) x CE +
     distill x KL(target || drafter), the target's logits computed at those positions only.
-    dpace: the weights' slot decay is replaced by `dpace_weights` (the positions with a weight keep one).
+    dpace: the weights' slot decay is replaced by `dpace_weights` with this smoothing alpha (the
+    positions with a weight keep one); None: the fixed weights.
     """
     b, n, bs = labels.shape
     h = hidden.view(b, n, bs, -1)[:, :, 1:].reshape(b * n * (bs - 1), -1)
@@ -106,14 +111,15 @@ def block_loss(
             ce, pred = checkpoint(_chunk_ce, hc, lm_head_weight, yc, tc, distill, use_reentrant=False)
         else:
             ce, pred = _chunk_ce(hc, lm_head_weight, yc, tc, distill)
-        if dpace:
+        if dpace is not None:
             losses.append(ce)
         else:
             total = total + (ce * wc).sum()
         hits[sl] = (pred == yc) & (wc > 0)
-    if dpace:
+    if dpace is not None:
         ce = torch.cat(losses)
-        total = (ce * dpace_weights(ce.detach().view(b * n, bs - 1), w.view(b * n, bs - 1)).view(-1)).sum()
+        w_dpace = dpace_weights(ce.detach().view(b * n, bs - 1), w.view(b * n, bs - 1), dpace)
+        total = (ce * w_dpace.view(-1)).sum()
     correct.index_add_(0, slot, hits.float())
     # a masked label (no loss) ends the run: speculative decoding would stop at a turn's end too
     hits = hits.view(b * n, bs - 1)

@@ -31,7 +31,7 @@ class Kernels:
     compiled: bool = False  # the drafter's layers and the block mask compiled
     recompute_logits: bool = True  # the loss recomputes the lm_head logits in backward
     distill: float = 0.0  # the loss's weight of KL to the target's distribution (0: hard-label CE)
-    dpace: bool = False  # slots weighted by their share of d E[acceptance length] (loss.dpace_weights)
+    dpace: float | None = None  # D-PACE's smoothing alpha (loss.dpace_weights); None: fixed slot decay
 
 
 @dataclass(frozen=True)

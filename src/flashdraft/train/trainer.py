@@ -463,7 +463,7 @@ class Trainer:
                 self.compiled,
                 cfg.recompute_logits,
                 cfg.distill,
-                cfg.position_weights == "dpace",
+                cfg.dpace_alpha if cfg.position_weights == "dpace" else None,
             ),
             cfg.num_anchors,
             drafter.block_size,
