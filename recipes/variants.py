@@ -9,12 +9,13 @@
   acceptance by draft position); ngram/SET_tT.json: prompt lookup on the same prompts, for scale;
 - table.json: the comparison (`comparison_table`).
 
-The variants train side by side, one process each, until the call's deadline, and the next call resumes
-them from their checkpoints (`Trainer.run(until=...)`), so a comparison longer than one device call
-spans several; then every variant decodes in a process of its own. Processes sharing one GPU change
-each other's times, never tau: the table reports tau, not speedups (the proof's eval, run alone,
-measures those). Each variant's tau is compared with the first variant's on the same prompts by a
-paired bootstrap (`flashdraft.eval.report.tau_ratio`).
+The variants train side by side, one process each (on the H200, four SmolLM2 drafters trained at 54-62K
+context tokens/s each, about what one alone reaches), until the call's deadline, and the next call
+resumes them from their checkpoints (`Trainer.run(until=...)`), so a comparison longer than one device
+call spans several; then the variants decode one after another (`run_comparison`). The table reports
+tau, not speedups (the proof's eval measures those against plain decoding). Each variant's tau is
+compared with the first variant's on the same prompts by a paired bootstrap
+(`flashdraft.eval.report.tau_ratio`).
 """
 
 from __future__ import annotations
@@ -186,6 +187,7 @@ def decode_variant(cmp: Comparison, out: Path, who: str) -> None:
             path = report_path(out, who, set_name, temperature)
             if path.is_file():
                 continue
+            t0 = time.time()
             results = run_methods(
                 target, drafter, ids, cmp.max_new_tokens, drafter.block_size, temperature, stops, cmp.seed,
                 cuda_graphs=cmp.cuda_graphs, methods=(method,),
@@ -193,7 +195,10 @@ def decode_variant(cmp: Comparison, out: Path, who: str) -> None:
             summary = method_summary(results[method], drafter.block_size)
             outputs = [g.tokens for g in results[method]]  # equal across variants at T = 0: lossless
             _write_json(
-                path, {"checkpoint": str(checkpoint), "method": method} | summary | {"outputs": outputs}
+                path,
+                {"checkpoint": str(checkpoint), "method": method, "seconds": round(time.time() - t0, 1)}
+                | summary
+                | {"outputs": outputs},
             )
 
 
@@ -228,20 +233,28 @@ def _wait(procs: dict[str, subprocess.Popen], deadline: float) -> dict[str, int 
 
 
 def run_comparison(cmp: Comparison, out: Path, minutes: float, say=print) -> dict | None:
-    """Continue the comparison in `out` for at most `minutes`: each variant not yet decoded trains (to
-    its last step, or as far as the time allows) and then decodes, in a process of its own, so one that
-    finishes early decodes while the others still train; prompt lookup decodes once they are all
-    trained. The table once everything is there (else None: call again)."""
+    """Continue the comparison in `out` for at most `minutes`: the variants not yet trained train side by
+    side (each to its last step, or as far as the time allows); once all are trained, each decoder in
+    turn decodes, one process at a time. The table once everything is there (else None: call again).
+
+    Decoding one at a time: on the H200, four SmolLM2 drafters decoding at once in four processes (64
+    prompts, 192 tokens, CUDA graphs) wrote 12 reports in about 13 minutes, where one process alone
+    decodes such a report in 30-60 s (docs/results.md); and a decoder that waits on others cannot be
+    timed."""
     deadline = time.time() + 60 * minutes
-    todo = [n for n in cmp.variants if not decoded(cmp, out, n)]
+    todo = [n for n in cmp.variants if not trained(out, n)]
     if todo:
-        say(f"{', '.join(todo)}: training to step {cmp.steps}, then decoding (until {time.ctime(deadline)})")
-        _check(_wait({n: _spawn(out, "variant", n, deadline) for n in todo}, deadline), out, "variant")
-    if cmp.ngram and not decoded(cmp, out, NGRAM) and all(trained(out, n) for n in cmp.variants):
-        say("prompt lookup decoding")
-        _check(_wait({NGRAM: _spawn(out, "variant", NGRAM, deadline)}, deadline), out, "variant")
+        say(f"training {', '.join(todo)} side by side to step {cmp.steps} (until {time.ctime(deadline)})")
+        _check(_wait({n: _spawn(out, "train", n, deadline) for n in todo}, deadline), out, "train")
+    if any(not trained(out, n) for n in cmp.variants):
+        say("training goes on in the next call (the same command)")
+        return None
+    for who in cmp.decoders:
+        if not decoded(cmp, out, who) and time.time() < deadline:
+            say(f"decoding with {who}")
+            _check(_wait({who: _spawn(out, "decode", who, deadline)}, deadline), out, "decode")
     if any(not decoded(cmp, out, w) for w in cmp.decoders):
-        say("not finished in this call: the same command goes on")
+        say("decoding goes on in the next call (the same command)")
         return None
     table = comparison_table(cmp, out)
     _write_json(out / "table.json", table)
@@ -322,12 +335,12 @@ def print_comparison(table: dict, console=None) -> None:
 def _worker(argv: list[str]) -> None:
     out, role, who, deadline = Path(argv[0]), argv[1], argv[2], float(argv[3])
     cmp = open_comparison(out, None)
-    if role != "variant":
-        raise SystemExit(f"unknown role {role!r}")
-    if who != NGRAM:
+    if role == "train":
         train_variant(cmp, out, who, deadline)
-    if who == NGRAM or trained(out, who):
+    elif role == "decode":
         decode_variant(cmp, out, who)
+    else:
+        raise SystemExit(f"unknown role {role!r}")
 
 
 if __name__ == "__main__":

@@ -62,7 +62,8 @@ def main() -> None:
         "--base", action="append", default=[], metavar="KEY=VALUE", help="every variant's setting"
     )
     ap.add_argument("--preset", default="default")
-    ap.add_argument("--max-new-tokens", type=int, default=192)
+    ap.add_argument("--max-new-tokens", type=int, help="tokens decoded per prompt (default 192)")
+    ap.add_argument("--no-ngram", action="store_true", help="leave out prompt lookup's decoding")
     ap.add_argument("--device")
     ap.add_argument("--cuda-graphs", action="store_true")
     args = ap.parse_args()
@@ -76,6 +77,8 @@ def main() -> None:
                 raise ValueError("two --variant options share a name")
             parts = smollm2_parts(args.smollm2, args.humaneval) if args.smollm2 else generic_parts(args)
             parts["base"] |= dict(key_value("--base", b, "drafter.num_layers=3") for b in args.base)
+            parts["max_new_tokens"] = args.max_new_tokens or parts.get("max_new_tokens", 192)
+            parts["ngram"] = not args.no_ngram
             given = Comparison(variants=variants, steps=args.steps, **parts)
         cmp = open_comparison(args.out, given)
     except ValueError as e:
@@ -97,7 +100,7 @@ def generic_parts(args) -> dict:
             raise ValueError(f"--prompts {item!r}: expected NAME=JSONL")
         prompts[name] = read_prompts(path)
     return dict(
-        target=args.target, data=args.data, base={}, prompts=prompts, max_new_tokens=args.max_new_tokens,
+        target=args.target, data=args.data, base={}, prompts=prompts,
         preset=args.preset, device=args.device, cuda_graphs=args.cuda_graphs,
     )  # fmt: skip
 
