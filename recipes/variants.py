@@ -10,7 +10,7 @@
 - table.json: the comparison (`comparison_table`).
 
 The variants train side by side, one process each (on the H200, four SmolLM2 drafters trained at 54-62K
-context tokens/s each, about what one alone reaches), until the call's deadline, and the next call
+context tokens/s each, together what one alone reaches: 219K), until the call's deadline, and the next call
 resumes them from their checkpoints (`Trainer.run(until=...)`), so a comparison longer than one device
 call spans several; then the variants decode one after another (`run_comparison`). The table reports
 tau, not speedups (the proof's eval measures those against plain decoding). Each variant's tau is
@@ -238,8 +238,8 @@ def run_comparison(cmp: Comparison, out: Path, minutes: float, say=print) -> dic
     turn decodes, one process at a time. The table once everything is there (else None: call again).
 
     Decoding one at a time: on the H200, four SmolLM2 drafters decoding at once in four processes (64
-    prompts, 192 tokens, CUDA graphs) wrote 12 reports in about 13 minutes, where one process alone
-    decodes such a report in 30-60 s (docs/results.md); and a decoder that waits on others cannot be
+    prompts, 192 tokens, CUDA graphs) wrote 11 reports in 8 minutes, 44 s a report, where one process
+    alone decodes one in 30-60 s (docs/results.md); and a decoder that waits on others cannot be
     timed."""
     deadline = time.time() + 60 * minutes
     todo = [n for n in cmp.variants if not trained(out, n)]
