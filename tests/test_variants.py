@@ -1,6 +1,9 @@
 """Recipe variants compared at equal tokens (recipes.variants, scripts/compare_recipes.py)."""
 
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,6 +16,7 @@ from flashdraft.model.target import load_target, stop_token_ids
 from helpers import random_docs
 from recipes.variants import Comparison, open_comparison, parse_variant, run_comparison
 
+ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = {
     "code": [[{"role": "user", "content": "def add(a, b):"}], [{"role": "user", "content": "import os\n"}]],
     "chat": [[{"role": "user", "content": "Say hello."}]],
@@ -96,3 +100,22 @@ def test_variants_train_equal_tokens_and_their_served_tau_is_compared(tiny_targe
             report = json.loads((out / who / f"code_t{t:g}.json").read_text())
             assert report["outputs"] == [g.tokens for g in full[method]]  # the same samples at T = 1
             assert report["tau_per_sample"] == pytest.approx([g.tau for g in full[method]])
+
+
+def test_the_command_line_writes_the_comparison_it_names(tiny_target_dir, data_dir, tmp_path):
+    """scripts/compare_recipes.py's options reach the saved comparison (a call with no time left trains
+    nothing and says the same command goes on)."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"messages": m}) + "\n" for m in PROMPTS["code"]))
+    out = tmp_path / "cmp"
+    cmd = [sys.executable, "scripts/compare_recipes.py", "--out", str(out), "--target", str(tiny_target_dir),
+           "--data", str(data_dir), "--prompts", f"code={prompts}", "--base", "drafter.num_layers=1",
+           "--steps", "3", "--variant", "today", "--variant", "mix:distill=0.5,drafter.num_taps=2",
+           "--max-new-tokens", "9", "--no-ngram", "--device", "cpu", "--minutes", "0"]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "goes on in the next call" in proc.stdout
+    cmp = open_comparison(out, None)
+    assert cmp.variants == {"today": {}, "mix": {"distill": 0.5, "drafter.num_taps": 2}}
+    assert (cmp.steps, cmp.max_new_tokens, cmp.ngram, cmp.base) == (3, 9, False, {"drafter.num_layers": 1})
+    assert cmp.prompts == {"code": PROMPTS["code"]} and cmp.decoders == ("today", "mix")
