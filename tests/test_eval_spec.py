@@ -98,6 +98,14 @@ def test_greedy_speculative_output_is_the_targets_greedy_output(kind):
         assert accepted_drafts > NEW_TOKENS
 
 
+def _decoded(s: SimpleNamespace, prompt: list[int]):
+    """Greedy DFlash decoding of `prompt` with the trained drafter, and the prompt and answer as a training
+    document (the answer in the loss) in a batch of one row."""
+    spec = generate(s.target, torch.tensor([prompt]), NEW_TOKENS, DFlashProposer(s.trained, s.target), BLOCK)
+    doc = {"input_ids": prompt + spec.tokens, "loss_mask": [0] * len(prompt) + [1] * len(spec.tokens)}
+    return spec, doc, collate_rows([[doc]], len(doc["input_ids"]), pad_token_id=0)
+
+
 def test_training_blocks_at_the_cycles_of_decoding_accept_what_decoding_accepted():
     """What training computes is what serving computes: on a greedily decoded answer, teacher-forced
     blocks (one target forward over the whole sequence, training's block form) walked from the answer's
@@ -105,9 +113,7 @@ def test_training_blocks_at_the_cycles_of_decoding_accept_what_decoding_accepted
     s = tiny_setup()
     cycles = 0
     for p in s.prompts:
-        spec = generate(s.target, torch.tensor([p]), NEW_TOKENS, DFlashProposer(s.trained, s.target), BLOCK)
-        doc = {"input_ids": p + spec.tokens, "loss_mask": [0] * len(p) + [1] * len(spec.tokens)}
-        batch = collate_rows([[doc]], len(doc["input_ids"]), pad_token_id=0)
+        spec, doc, batch = _decoded(s, p)
         with torch.no_grad():
             accepted = acceptance_map(
                 s.trained, s.target, batch, target_features(s.target, batch), 8, GAMMA, Kernels("dense")
@@ -129,9 +135,7 @@ def test_landing_anchors_are_where_decoding_anchors_its_next_block():
     s = tiny_setup()
     compared = 0
     for p in s.prompts:
-        spec = generate(s.target, torch.tensor([p]), NEW_TOKENS, DFlashProposer(s.trained, s.target), BLOCK)
-        doc = {"input_ids": p + spec.tokens, "loss_mask": [0] * len(p) + [1] * len(spec.tokens)}
-        batch = collate_rows([[doc]], len(doc["input_ids"]), pad_token_id=0)
+        spec, doc, batch = _decoded(s, p)
         cycle_anchors = (len(p) + torch.tensor([0, *spec.accept_lengths]).cumsum(0)).tolist()
         fits = [a for a in cycle_anchors if a + BLOCK <= len(doc["input_ids"])]
         anchors = Anchors(torch.tensor([fits[:-1]]), torch.ones(1, len(fits) - 1, dtype=torch.bool))
