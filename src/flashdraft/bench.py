@@ -190,6 +190,7 @@ def run_bench(
     compile: bool | None = None,
     compile_target: bool | None = None,
     layout: str = "colocated",
+    target_fp8: bool = False,
 ) -> BenchResult | None:
     """One process, or one rank of `flashdraft bench --nproc N` (under torchrun): every rank runs
     this; the main rank returns the result (throughput summed over drafter ranks, MFU over every
@@ -209,6 +210,7 @@ def run_bench(
             "recompute_logits": recompute_logits,
             "compile": compile,
             "compile_target": compile_target,
+            "target_fp8": target_fp8,
             "drafter.mask_token_id": QWEN3_MASK_ID if tcfg.vocab_size == QWEN3_VOCAB else tcfg.vocab_size - 1,
         },
     )
@@ -268,6 +270,7 @@ def run_bench(
             "recompute_logits": trainer.cfg.recompute_logits,
             "compiled": trainer.compiled,
             "compile_target": trainer.compile_target,
+            "target_fp8": trainer.cfg.target_fp8,
             "attention": trainer.attention,
             "target_attention": trainer.target.config._attn_implementation,
             "experts": _experts(trainer.target.config),

@@ -192,6 +192,12 @@ class TrainConfig(_Strict):
         description="also torch.compile the target's decoder layers; default: with compile (qwen3-8b on "
         "the H200: target forward 96 -> 70 ms); true without compile is refused",
     )
+    target_fp8: bool = Field(
+        False,
+        description="the frozen target's decoder-layer linears in FP8 (e4m3, a scale per weight row and per "
+        "token; torch._scaled_mm): the features a drafter trains on come from them. What that costs in "
+        "served tau is not measured yet",
+    )
     target_attention: str = Field(
         "auto",
         pattern="^(auto|sdpa|eager|flex_attention|flash_attention_2|flash_attention_3)$",
@@ -291,6 +297,8 @@ class RunConfig(TrainConfig):
     @model_validator(mode="after")
     def _fits_layout(self) -> RunConfig:
         if self.run.target_parallel != "none":
+            if self.target_fp8:
+                raise ValueError("target_fp8 is for a whole target: a sharded one stays in its dtype")
             for name in ("eval_every", "val_data"):
                 if getattr(self, name):
                     raise ValueError(

@@ -312,6 +312,7 @@ def bench(
         None, help="also torch.compile the target's decoder layers (default: with --compile)"
     ),
     layout: str = typer.Option("colocated", help="colocated, or split:T:D (with --nproc T+D)"),
+    target_fp8: bool = typer.Option(False, "--target-fp8", help="the target's linears in FP8 (target_fp8)"),
     nproc: int | None = typer.Option(None, help="launch N processes on this machine (torch's launcher)"),
     json_out: Path | None = typer.Option(None, "--json", help="write the result as JSON here"),
 ) -> None:
@@ -349,6 +350,7 @@ def bench(
             compile=compile,
             compile_target=compile_target,
             layout=layout,
+            target_fp8=target_fp8,
         )
     except ValueError as e:
         _fail(str(e))

@@ -393,7 +393,17 @@ def build(config: RunConfig, source: RunSource | None = None) -> Trainer:
             print(sharding_line(model, topo), flush=True)
     else:
         model, tokenizer = source.load_target(layers, topo.device, cfg.target_attention)
+        if cfg.target_fp8:
+            from flashdraft.model.fp8 import check_fp8_device
+
+            check_fp8_device(topo.device)
     drafter, target = drafter_and_target(cfg, model, tokenizer, topo, whole)
+    if cfg.target_fp8:  # after the packing probe, which differentiates through the target
+        from flashdraft.model.fp8 import to_fp8_
+
+        replaced, kept = to_fp8_(decoder_layers(model)[2])
+        if topo.rank == 0:
+            print(f"target in FP8: {replaced} linears e4m3 (row-wise scales), {kept} kept", flush=True)
     drafter.config.flashdraft_target = source.target_record(model)  # written with every checkpoint
     batches = source.batches(cfg, model, tokenizer, target.packing)
     del model  # the Target holds it
