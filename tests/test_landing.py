@@ -5,12 +5,10 @@ import pytest
 import torch
 
 from flashdraft.config import resolve_config
-from flashdraft.data.packing import save_token_dataset
 from flashdraft.train.blocks import Anchors, anchor_candidates, landing_anchors
 from flashdraft.train.step import micro_step_loss
 from flashdraft.train.timing import NULL_TIMER
 from flashdraft.train.trainer import build_trainer
-from helpers import random_docs
 
 
 def test_landings_are_distinct_candidates_laid_out_as_anchors():
@@ -31,10 +29,8 @@ def test_landings_are_distinct_candidates_laid_out_as_anchors():
 
 
 @pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("data")
-    save_token_dataset(random_docs([70, 90, 120, 60, 100, 80] * 2, seed=4, prompt_len=10), path)
-    return path
+def data_dir(token_data_dir):
+    return token_data_dir
 
 
 def _cfg(**over):

@@ -12,10 +12,8 @@ from helpers import random_docs
 
 
 @pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("data")
-    save_token_dataset(random_docs([70, 90, 120, 60, 100, 80] * 2, seed=5, prompt_len=10), path)
-    return path
+def data_dir(token_data_dir):
+    return token_data_dir
 
 
 def _cfg(**over):

@@ -9,11 +9,9 @@ import pytest
 import torch
 import yaml
 
-from flashdraft.data.packing import save_token_dataset
 from flashdraft.eval.spec import decoding_target, encode_prompt, run_methods
 from flashdraft.model.checkpoint import latest_checkpoint, load_drafter
 from flashdraft.model.target import load_target, stop_token_ids
-from helpers import random_docs
 from recipes.variants import Comparison, open_comparison, parse_variant, run_comparison
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -28,10 +26,8 @@ BASE = {
 
 
 @pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("data")
-    save_token_dataset(random_docs([70, 90, 120, 60, 100, 80] * 2, seed=5, prompt_len=10), path)
-    return path
+def data_dir(token_data_dir):
+    return token_data_dir
 
 
 def _comparison(target, data, **over):
