@@ -28,15 +28,8 @@ from flashdraft.eval.spec import (
 from flashdraft.model.checkpoint import write_zlab
 from flashdraft.model.drafter import DFlashDrafter, drafter_config
 from flashdraft.model.target import Target
-from flashdraft.train.blocks import Anchors, landing_anchors, walk_lengths
-from flashdraft.train.step import (
-    Kernels,
-    acceptance_map,
-    micro_batch_at,
-    micro_step_loss,
-    plan_micro_batch,
-    target_features,
-)
+from flashdraft.train.blocks import walk_lengths
+from flashdraft.train.step import Kernels, acceptance_map, micro_step_loss, plan_micro_batch, target_features
 from flashdraft.train.trainer import init_drafter_
 from helpers import BLOCK, GAMMA, VOCAB, tiny_drafter, tiny_target
 
@@ -127,27 +120,6 @@ def test_training_blocks_at_the_cycles_of_decoding_accept_what_decoding_accepted
         assert len(p) + sum(walk) > len(doc["input_ids"]) - BLOCK
         cycles += len(walk)
     assert cycles < len(s.prompts) * NEW_TOKENS / 3  # the drafter was accepted: long cycles were compared
-
-
-def test_landing_anchors_are_where_decoding_anchors_its_next_block():
-    """Training's landing anchors (`landing_anchors`: anchor + acceptance length of a teacher-forced
-    block) are the anchors of decoding's next cycles."""
-    s = tiny_setup()
-    compared = 0
-    for p in s.prompts:
-        spec, doc, batch = _decoded(s, p)
-        cycle_anchors = (len(p) + torch.tensor([0, *spec.accept_lengths]).cumsum(0)).tolist()
-        fits = [a for a in cycle_anchors if a + BLOCK <= len(doc["input_ids"])]
-        anchors = Anchors(torch.tensor([fits[:-1]]), torch.ones(1, len(fits) - 1, dtype=torch.bool))
-        mb = micro_batch_at(batch, anchors, BLOCK, s.trained.mask_token_id, GAMMA)
-        with torch.no_grad():
-            out = micro_step_loss(s.trained, s.target, mb, Kernels("dense"))
-        landed = landing_anchors(
-            anchors, out.per_block.view(1, -1), batch.loss_mask, batch.doc_ids, BLOCK, 64
-        )
-        assert landed.index[landed.valid].tolist() == fits[1:]
-        compared += len(fits) - 1
-    assert compared > 2 * len(s.prompts)
 
 
 def test_trained_drafter_is_accepted_and_untrained_is_not():

@@ -104,14 +104,6 @@ class TrainConfig(_Strict):
     optim: OptimSpec = OptimSpec()
     num_anchors: int = Field(512, ge=1, description="anchors sampled per row")
     anchors_per_document: int | None = Field(None, ge=1, description="cap of anchors in one packed document")
-    landing_anchors: float = Field(
-        0.0,
-        ge=0,
-        lt=1,
-        description="share of each row's anchors placed where decoding would anchor: after the other "
-        "anchors' blocks of the same step, at anchor + acceptance length (the token the drafter missed); "
-        "0: every anchor uniformly at random",
-    )
     gamma: float | None = Field(None, gt=0, description="slot weight decay; by block size when unset")
     position_weights: Literal["gamma", "dpace"] = Field(
         "gamma",
@@ -216,12 +208,6 @@ class TrainConfig(_Strict):
             raise ValueError("drafter.target_layer_ids is empty")
         if self.data.seq_len < self.drafter.block_size:
             raise ValueError("data.seq_len must be at least drafter.block_size")
-        landing = round(self.num_anchors * self.landing_anchors)
-        if self.landing_anchors and not 1 <= landing < self.num_anchors:
-            raise ValueError(
-                f"landing_anchors {self.landing_anchors} of {self.num_anchors} anchors leaves "
-                f"{landing} landing and {self.num_anchors - landing} uniform anchors a row: each needs one"
-            )
         if self.eval_every and not self.eval_prompts:
             raise ValueError("eval_every needs eval_prompts (a JSONL of held-out prompts)")
         if self.val_every and not self.val_data:

@@ -135,26 +135,6 @@ def walk_lengths(accepted: torch.Tensor, loss_mask: torch.Tensor, doc_ids: torch
     return walks
 
 
-def landing_anchors(
-    anchors: Anchors,
-    accepted: torch.Tensor,
-    loss_mask: torch.Tensor,
-    doc_ids: torch.Tensor,
-    block_size: int,
-    num_anchors: int,
-    generator: torch.Generator | list[torch.Generator] | None = None,
-) -> Anchors:
-    """Where decoding would anchor its next block after each of `anchors`' blocks: anchor + its
-    acceptance length `accepted` [b, n] (the position of the target's bonus token, which the drafter
-    failed to predict), as anchors laid out as `sample_anchors` lays them out: distinct candidates
-    only, up to `num_anchors` a row (a random subset when more land), padding blocks for the rest."""
-    cand = anchor_candidates(loss_mask, doc_ids, block_size)
-    b, s = cand.shape
-    landing = (anchors.index + accepted.long()).clamp(max=s - 1)
-    landed = torch.zeros_like(cand).scatter_(1, landing, anchors.valid & (accepted > 0)) & cand
-    return sample_anchors(landed.float(), doc_ids, 1, num_anchors, generator)
-
-
 def _rank_in_document(scores: torch.Tensor, doc_ids: torch.Tensor) -> torch.Tensor:
     """[b, S]: how many positions of the same document have a lower score (0 = the document's best)."""
     order = scores.argsort(dim=1)

@@ -115,19 +115,12 @@ class StepStats:
     weight_sum: torch.Tensor | None = None
     grad_norm: torch.Tensor | None = None
     ctx_tokens: int | torch.Tensor = 0  # a device tensor when the batch arrived from a target rank
-    landing: tuple[torch.Tensor, torch.Tensor] = ()  # landing blocks' (accepted, blocks), if any
 
     @classmethod
     def zeros(cls, block_size: int, device) -> StepStats:
         z = torch.zeros((), device=device)
         slots = torch.zeros(block_size, device=device)
         return cls(z.clone(), slots, slots.clone(), z.clone(), z.clone(), z.clone())
-
-    def add_landing(self, out) -> None:
-        """The landing blocks' acceptance (`landing_anchors`), apart: the loss, accuracy and tau_train
-        stay the uniformly sampled blocks'."""
-        accepted, blocks = self.landing or (torch.zeros_like(self.accepted), torch.zeros_like(self.blocks))
-        self.landing = (accepted + out.accepted, blocks + out.blocks)
 
     def add(self, out, mb) -> None:
         self.loss_sum += out.weighted_ce.detach()
@@ -139,14 +132,10 @@ class StepStats:
 
     def to_metrics(self) -> dict:
         acc = (self.correct / self.counted.clamp(min=1))[1:]
-        return (
-            {
-                "loss": float(self.loss_sum / self.weight_sum),
-                "acc_slot1": float(acc[0]),
-                "acc_mean": float(self.correct[1:].sum() / self.counted[1:].sum().clamp(min=1)),
-                "acc_per_slot": [round(float(a), 4) for a in acc],
-                "tau_train": float(self.accepted / self.blocks.clamp(min=1)),
-            }
-            | ({"tau_landing": float(self.landing[0] / self.landing[1].clamp(min=1))} if self.landing else {})
-            | ({"grad_norm": float(self.grad_norm)} if self.grad_norm is not None else {})
-        )
+        return {
+            "loss": float(self.loss_sum / self.weight_sum),
+            "acc_slot1": float(acc[0]),
+            "acc_mean": float(self.correct[1:].sum() / self.counted[1:].sum().clamp(min=1)),
+            "acc_per_slot": [round(float(a), 4) for a in acc],
+            "tau_train": float(self.accepted / self.blocks.clamp(min=1)),
+        } | ({"grad_norm": float(self.grad_norm)} if self.grad_norm is not None else {})

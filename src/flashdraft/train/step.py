@@ -15,7 +15,6 @@ from flashdraft.train.blocks import (
     dense_visibility,
     every_anchor,
     flex_block_mask,
-    landing_anchors,
     make_blocks,
     row_generators,
     sample_anchors,
@@ -35,9 +34,6 @@ class Kernels:
     dpace: float | None = None  # D-PACE's smoothing alpha (loss.dpace_weights); None: fixed slot decay
 
 
-LANDING_SEED = 1_000_003  # offsets the run seed for the landing anchors' draws (not the first anchors')
-
-
 @dataclass(frozen=True)
 class StepSpec:
     """How every micro-batch of a run is made and computed: resolved once (config, device, drafter,
@@ -52,26 +48,11 @@ class StepSpec:
     seed: int
     grad_accum: int
     num_drafters: int
-    landing: int = 0  # anchors a row placed where decoding lands after the first `num_anchors`' blocks
 
     @property
     def micro_per_step(self) -> int:
         """Micro-batches of one optimizer step over every drafter rank."""
         return self.grad_accum * self.num_drafters
-
-    def plan_landing(self, mb: MicroBatch, out: BlockLoss, m: int) -> MicroBatch:
-        """Global micro-batch m's second blocks: `landing` a row, anchored where decoding would anchor
-        its next block after each of the first ones (`landing_anchors`, from their acceptance lengths in
-        `out`), on the same features."""
-        b = mb.batch
-        rows = row_generators(self.seed + LANDING_SEED, m, b.input_ids.shape[0])
-        accepted = out.per_block.view(b.input_ids.shape[0], -1)
-        anchors = landing_anchors(
-            mb.anchors, accepted, b.loss_mask, b.doc_ids, self.block_size, self.landing, rows
-        )
-        walked = micro_batch_at(b, anchors, self.block_size, self.mask_token_id, self.gamma, mb.features)
-        walked.teacher = mb.teacher
-        return walked
 
     def plan(
         self, batch: PackedBatch, m: int, features: torch.Tensor | None = None, teacher=None
@@ -199,7 +180,7 @@ def micro_step_loss(
     feats = mb.features
     if feats is None:
         with timer("target_forward"):
-            feats = mb.features = target_features(target, mb.batch)  # kept for landing blocks
+            feats = target_features(target, mb.batch)
     with timer("block_mask"):
         window = getattr(drafter, "module", drafter).sliding_window  # a DDP wrapper holds it as .module
         vis = visibility_for(mb, mb.blocks.labels.shape[-1], kernels.attention, kernels.compiled, window)

@@ -467,7 +467,6 @@ class Trainer:
         self.meta = meta or {}
         self.compiled = cfg.compile if cfg.compile is not None else self.device.type == "cuda"
         self.attention = resolve_attention(cfg.attention, self.device, drafter.config.head_dim)
-        landing = round(cfg.num_anchors * cfg.landing_anchors)  # the rest: uniform anchors
         self.spec = StepSpec(
             Kernels(
                 self.attention,
@@ -476,7 +475,7 @@ class Trainer:
                 cfg.distill,
                 cfg.dpace_alpha if cfg.position_weights == "dpace" else None,
             ),
-            cfg.num_anchors - landing,
+            cfg.num_anchors,
             drafter.block_size,
             drafter.mask_token_id,
             cfg.gamma or default_gamma(cfg.drafter.block_size),
@@ -484,7 +483,6 @@ class Trainer:
             cfg.seed,
             cfg.grad_accum,
             self.topo.num_drafters,
-            landing,
         )
         self.compile_report = None
         if cfg.compile_target and not self.compiled:
@@ -578,28 +576,13 @@ class Trainer:
         scale = self.topo.num_drafters  # DDP and FSDP2 average gradients over drafter ranks
         stats = StepStats.zeros(self.drafter.block_size, self.device)
         stats.ctx_tokens = sum(n for _, n in planned)
-        # with landing anchors each micro-batch has a second set of blocks, planned from the first's
-        # acceptance: the loss is the anchor-weighted mean of the two sets' losses, the second
-        # normalised per micro-batch (its weights are known only after the first forward)
-        spec, landing = self.spec, self.spec.landing
-        share = spec.num_anchors / (spec.num_anchors + landing)
         for i, mb in enumerate(micro):
-            last = i == len(micro) - 1
-            with gradient_sync(self.model, enabled=last and not landing):
+            with gradient_sync(self.model, enabled=i == len(micro) - 1):
                 with self._autocast():
-                    out = micro_step_loss(self.model, self.target, mb, spec.kernels, timer)
+                    out = micro_step_loss(self.model, self.target, mb, self.spec.kernels, timer)
                 with timer("backward"):
-                    (out.weighted_ce * scale * share / weight_sum).backward()
+                    (out.weighted_ce * scale / weight_sum).backward()
             stats.add(out, mb)
-            if landing:
-                walked = spec.plan_landing(mb, out, indices[i])
-                with gradient_sync(self.model, enabled=last):
-                    with self._autocast():
-                        out = micro_step_loss(self.model, self.target, walked, spec.kernels, timer)
-                    own = walked.blocks.weights.sum().clamp(min=1e-6) * spec.micro_per_step
-                    with timer("backward"):
-                        (out.weighted_ce * scale * (1 - share) / own).backward()
-                stats.add_landing(out)
         with timer("optimizer"):
             stats.grad_norm = clip_grad_norm(self.drafter.parameters(), cfg.optim.grad_clip)
             # a non-finite loss or gradient skips the update on the device, with no host sync;
@@ -631,7 +614,7 @@ class Trainer:
 
     def _reduce_stats(self, stats: StepStats) -> None:
         """Sum a step's loss and accuracy counts over drafter ranks (at log steps only)."""
-        for t in (stats.loss_sum, stats.correct, stats.counted, stats.accepted, stats.blocks, *stats.landing):
+        for t in (stats.loss_sum, stats.correct, stats.counted, stats.accepted, stats.blocks):
             self.topo.drafter_sum_(t)
 
     def serve(self, until: int) -> None:
