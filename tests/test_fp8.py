@@ -5,10 +5,13 @@ import pytest
 import torch
 from torch import nn
 
+import families
 from flashdraft.config import resolve_config, resolve_run_config
 from flashdraft.data.packing import save_token_dataset
+from flashdraft.model.drafter import drafter_config
 from flashdraft.model.fp8 import E4M3, Fp8Linear, to_fp8_
 from flashdraft.model.target import Target, decoder_layers, load_target
+from flashdraft.train.flops import mfu, micro_batch_flops
 from flashdraft.train.trainer import build_trainer
 from helpers import random_docs
 
@@ -59,3 +62,36 @@ def test_a_run_trains_on_an_fp8_targets_features(tmp_path, tiny_target_dir, caps
             "default", target_fp8=True, **{"run.target": "t", "run.data": "d", "run.out": "o"},
             **{"run.target_parallel": "fsdp:2"},
         )  # fmt: skip
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama", "gemma3_text", "qwen3_moe", "gpt_oss"])
+def test_the_fp8_flops_counted_are_the_linears_converted_and_mfu_takes_them_at_the_fp8_rate(family):
+    """micro_batch_flops' `fp8` share is what to_fp8_ converts in the layers that run (routed experts and
+    their router stay bf16), and MFU counts that share at the FP8 rate, the rest at the bf16 rate."""
+    model = families.build(family, 320, 1, 0)
+    layers = decoder_layers(model)[2]
+    to_fp8_(layers)
+    weights = sum(m.in_features * m.out_features for m in layers.modules() if isinstance(m, Fp8Linear))
+    over = {"data.seq_len": 64, "data.rows_per_batch": 3, "num_anchors": 4, "drafter.num_layers": 1}
+    cfg = resolve_config("default", target_fp8=True, **over)
+    dcfg = drafter_config(model.config, 1, [1, 3], 2, 16, 0)
+    flops = micro_batch_flops(cfg, model.config, dcfg)
+    assert flops["fp8"] == 3 * 64 * 4 * 2 * weights // len(layers)  # layers 0-3 run
+    assert micro_batch_flops(cfg.model_copy(update={"target_fp8": False}), model.config, dcfg)["fp8"] == 0
+    total, fp8 = flops["total"], flops["fp8"]
+    seconds = (total - fp8) / 100e12 + fp8 / 250e12  # the ideal time at 100 and 250 TFLOP/s
+    assert mfu(flops, 2 * seconds, 100.0, 250.0) == pytest.approx(0.5)
+    assert mfu(flops, seconds, 100.0, 250.0, gpus=4) == pytest.approx(0.25)
+    with pytest.raises(ValueError, match="FP8 matmul rate"):
+        mfu(flops, seconds, 100.0)
+
+
+def test_routed_experts_held_as_linears_stay_bf16():
+    layer = nn.Module()
+    layer.q_proj = nn.Linear(32, 32)
+    layer.mlp = nn.Module()
+    layer.mlp.experts = nn.ModuleList([nn.Linear(32, 16) for _ in range(4)])
+    layer.mlp.shared_expert = nn.Linear(32, 16)
+    assert to_fp8_(nn.ModuleList([layer])) == (2, 0)
+    assert all(isinstance(m, nn.Linear) for m in layer.mlp.experts)
+    assert isinstance(layer.q_proj, Fp8Linear) and isinstance(layer.mlp.shared_expert, Fp8Linear)

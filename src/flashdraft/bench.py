@@ -21,7 +21,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, Pre
 from flashdraft.config import TrainConfig, resolve_config, run_config
 from flashdraft.data.packing import PackedBatch
 from flashdraft.model.target import first_layers_config
-from flashdraft.train.flops import matmul_tflops, micro_batch_flops, sync
+from flashdraft.train.flops import matmul_tflops, mfu, micro_batch_flops, sync
 from flashdraft.train.timing import PhaseTimer
 from flashdraft.train.trainer import Batches, RunSource, Trainer, build
 
@@ -160,7 +160,7 @@ class BenchResult:
     draft_pos_s: float
     model_tflops: float
     matmul_tflops: float
-    mfu: float
+    mfu: float  # the FP8 target's linears at the FP8 rate (fp8_matmul_tflops), the rest at the bf16 rate
     peak_mem_gib: float
     startup_s: float
     first_step_s: float
@@ -174,6 +174,7 @@ class BenchResult:
     drafter_busy: float | None = None  # split layouts: 1 - the longest wait for features / wall
     target_busy: float | None = None  # split layouts: as the target ranks reported it
     ranks: list = field(default_factory=list)  # per rank: role, peak memory, start-up, compile
+    fp8_matmul_tflops: float | None = None  # with target_fp8: the FP8 rate, measured in the same run
 
 
 def run_bench(
@@ -220,7 +221,8 @@ def run_bench(
     topo, dev = trainer.topo, trainer.device
     dcfg = trainer.drafter.config
     kept = max(dcfg.target_layer_ids) + 1
-    peak = matmul_tflops(dev) if topo.is_main else 0.0  # the only rate the result uses
+    peak = matmul_tflops(dev) if topo.is_main else 0.0  # the rates the result uses
+    fp8_peak = matmul_tflops(dev, fp8=True) if topo.is_main and target_fp8 else None
     if dev.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
@@ -243,8 +245,8 @@ def run_bench(
     step_s = statistics.median(times)
     pos_per_row = statistics.median(positions) / rows_per_batch
     # model FLOPs count every query position computed (n*B per row), as the kernels do
-    flops = micro_batch_flops(trainer.cfg, tcfg, dcfg)["total"] * drafters
-    tflops = flops / step_s / 1e12
+    flops = {k: v * drafters for k, v in micro_batch_flops(trainer.cfg, tcfg, dcfg).items()}
+    tflops = flops["total"] / step_s / 1e12
     return BenchResult(
         shape=shape,
         device=torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
@@ -258,7 +260,8 @@ def run_bench(
         draft_pos_s=pos_per_row * rows_per_batch * drafters / step_s,
         model_tflops=tflops,
         matmul_tflops=peak,
-        mfu=tflops / (peak * topo.world_size),
+        mfu=mfu(flops, step_s, peak, fp8_peak, topo.world_size),
+        fp8_matmul_tflops=fp8_peak,
         peak_mem_gib=max(x["peak_mem_gib"] for x in ranks),
         startup_s=startup,
         first_step_s=first_step,

@@ -373,6 +373,8 @@ def bench(
         ("compile", r.compile_report),
         ("settings", ", ".join(f"{k} {v}" for k, v in r.settings.items())),
     ]
+    if r.fp8_matmul_tflops:  # the target's linears count at the FP8 rate in the MFU
+        rows.insert(5, ("FP8 matmul peak TFLOP/s (same run)", f"{r.fp8_matmul_tflops:.1f}"))
     if r.drafter_busy is not None:
         rows.append(("busy: drafter / target", f"{r.drafter_busy:.0%} / {r.target_busy:.0%}"))
     rows += [(f"rank {x['rank']} ({x['role']})", _rank_line(x)) for x in r.ranks if r.world_size > 1]

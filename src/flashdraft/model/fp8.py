@@ -6,8 +6,8 @@ nothing is differentiated through it.
 
 Hand-written over torch's own op because the libraries that do this refuse the CPU: torchao's float8
 inference asserts CUDA of compute capability >= 8.9 (or MI300, XPU), and transformers' fine-grained FP8
-is a block-wise triton kernel. What FP8 features cost in served tau is not measured yet
-(docs/recipe.md).
+is a block-wise triton kernel. What FP8 features cost in served tau is measured in docs/results.md
+(session 17; docs/recipe.md).
 """
 
 from __future__ import annotations
@@ -67,12 +67,13 @@ def check_fp8_device(device: torch.device) -> None:
 
 def to_fp8_(layers: nn.ModuleList) -> tuple[int, int]:
     """Replace, in place, every nn.Linear inside `layers` (the target's decoder layers) by an Fp8Linear
-    where its shape allows; (replaced, left in their dtype). Experts stored as fused parameters, not
-    nn.Linear, stay as they are."""
+    where its shape allows; (replaced, left in their dtype). Routed experts stay as they are: stored as
+    fused parameters (transformers' MoE models) or as nn.Linear under an `experts` module, so the FLOP
+    accounting (train/flops.py) knows what runs in FP8."""
     replaced = kept = 0
     for layer in layers:
         for name, child in list(layer.named_modules()):
-            if not isinstance(child, nn.Linear):
+            if not isinstance(child, nn.Linear) or "experts" in name.split("."):
                 continue
             if not fp8_eligible(child):
                 kept += 1

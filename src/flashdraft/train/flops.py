@@ -2,7 +2,9 @@
 
 Model FLOPs count what the math needs: the target forward up to the last tapped layer, the
 drafter forward + backward, the frozen lm_head forward + input gradient, fc and context K/V.
-MFU divides them by the matmul rate measured in the same process, never by a datasheet figure.
+MFU is the time those FLOPs take at the matmul rates measured in the same process (never a
+datasheet figure) over the time they took: with `target_fp8`, the target's converted linears at the
+measured FP8 rate, everything else at the bf16 rate.
 """
 
 from __future__ import annotations
@@ -14,22 +16,45 @@ import torch
 from flashdraft.model.target import layer_kinds
 
 
-def matmul_tflops(device: torch.device, n: int = 8192, iters: int = 10) -> float:
-    """Measured bf16 (GPU) or fp32 (CPU) matmul rate: the MFU denominator, taken in the same run."""
+def matmul_tflops(device: torch.device, n: int = 8192, iters: int = 10, fp8: bool = False) -> float:
+    """Measured bf16 (GPU) or fp32 (CPU) matmul rate: the MFU denominator, taken in the same run. With
+    `fp8`, the rate of the product `target_fp8` runs: e4m3 operands with row-wise scales through
+    `torch._scaled_mm`, bf16 out."""
     if device.type == "cpu":
-        n, dtype = 1024, torch.float32
-    else:
-        dtype = torch.bfloat16
+        n, iters = (512, 3) if fp8 else (1024, iters)
+    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
+    if fp8:
+        a, b = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn).t()  # b column-major, as cuBLASLt needs
+        scale_a, scale_b = torch.ones(n, 1, device=device), torch.ones(1, n, device=device)
+
+        def product():
+            return torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=torch.bfloat16)
+    else:
+
+        def product():
+            return a @ b
+
     for _ in range(3):
-        a @ b
+        product()
     sync(device)
     t0 = time.perf_counter()
     for _ in range(iters):
-        a @ b
+        product()
     sync(device)
     return 2 * n**3 * iters / (time.perf_counter() - t0) / 1e12
+
+
+def mfu(flops: dict, seconds: float, tflops: float, fp8_tflops: float | None = None, gpus: int = 1) -> float:
+    """Model FLOPs utilisation of `flops` (`micro_batch_flops`'s dict, summed over what ran) done in
+    `seconds` on `gpus` devices: the time they take at the measured rates over the time they took. The
+    FP8 share (`flops["fp8"]`, nonzero with `target_fp8`) counts at `fp8_tflops`, the rest at `tflops`."""
+    fp8 = flops.get("fp8", 0.0)
+    if fp8 and not fp8_tflops:
+        raise ValueError("MFU of a step with an FP8 target needs the FP8 matmul rate measured in the run")
+    ideal = (flops["total"] - fp8) / (tflops * 1e12) + (fp8 / (fp8_tflops * 1e12) if fp8 else 0.0)
+    return ideal / (seconds * gpus)
 
 
 def sync(device: torch.device) -> None:
@@ -37,10 +62,12 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def layer_matmul_params(c, active: bool = True) -> int:
+def layer_matmul_params(c, active: bool = True, routed: bool = True) -> int:
     """Matmul weights of one decoder layer of text config `c`: attention projections and the MLP; of a
     mixture of experts, the experts one token runs (`active`) or all of them, plus router and shared
-    experts. Linear-attention layers are counted as attention layers of the same shape."""
+    experts; without the routed experts and their router when not `routed` (what `target_fp8` converts:
+    transformers holds both as parameters, not nn.Linear). Linear-attention and latent-attention layers
+    are counted as attention layers of the same shape."""
     d, heads = c.hidden_size, c.num_attention_heads
     kv = getattr(c, "num_key_value_heads", None) or heads
     hd = getattr(c, "head_dim", None) or d // heads
@@ -50,6 +77,8 @@ def layer_matmul_params(c, active: bool = True) -> int:
         return attn + 3 * d * c.intermediate_size
     expert = 3 * d * (getattr(c, "moe_intermediate_size", None) or c.intermediate_size)
     shared = 3 * d * (getattr(c, "shared_expert_intermediate_size", None) or 0)
+    if not routed:
+        return attn + shared
     return attn + (c.num_experts_per_tok if active else experts) * expert + shared + d * experts
 
 
@@ -105,4 +134,6 @@ def micro_batch_flops(cfg, target_cfg, drafter_cfg) -> dict:
     if cfg.distill:
         row["target"] += cfg.num_anchors * (block - 1) * 2 * t.hidden_size * t.vocab_size
         row["total"] = row["target"] + row["drafter"]
+    # target_fp8 converts the linears of every layer that runs, but not routed experts (model/fp8.py)
+    row["fp8"] = cfg.data.seq_len * kept * 2 * layer_matmul_params(t, routed=False) if cfg.target_fp8 else 0
     return {k: v * cfg.data.rows_per_batch for k, v in row.items()}

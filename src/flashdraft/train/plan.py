@@ -134,8 +134,11 @@ def make_plan(
     target_tf, drafter_tf = flops["target"] / 1e12, flops["drafter"] / 1e12
     loaded = t.num_hidden_layers if cfg.distill or cfg.eval_every else max(dcfg.target_layer_ids) + 1
     layer_bytes = 2 * layer_matmul_params(t, active=False)
+    if cfg.target_fp8:  # its converted linears hold one byte a weight
+        layer_bytes -= layer_matmul_params(t, active=False, routed=False)
     gather_gb = loaded * layer_bytes * (tp.size - 1) / tp.size / 1e9 if tp.sharded else 0.0
-    compute_s = target_tf / (EFFICIENCY["target"] * PEAK_TFLOPS)
+    fp8_tf = flops["fp8"] / 1e12  # at twice the bf16 rate
+    compute_s = (target_tf - fp8_tf / 2) / (EFFICIENCY["target"] * PEAK_TFLOPS)
     target_s = max(compute_s, gather_gb / ALLGATHER_GBPS)
     drafter_s = drafter_tf / (EFFICIENCY["drafter"] * PEAK_TFLOPS)
     positions = cfg.data.rows_per_batch * cfg.num_anchors * dcfg.block_size

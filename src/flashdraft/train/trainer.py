@@ -58,7 +58,7 @@ from flashdraft.train.compile import (
     warm_up,
 )
 from flashdraft.train.features import LocalFeatures, ReceivedFeatures
-from flashdraft.train.flops import matmul_tflops, micro_batch_flops
+from flashdraft.train.flops import matmul_tflops, mfu, micro_batch_flops
 from flashdraft.train.metrics import MetricsLogger, StepStats, Window
 from flashdraft.train.probes import measure_tau, validate
 from flashdraft.train.state import Checkpointer, NonFiniteError, write_fingerprint
@@ -510,8 +510,9 @@ class Trainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda s: cosine_lr(s, total_steps, warmup, cfg.optim.min_lr_ratio)
         )
-        self.flops_per_micro = micro_batch_flops(cfg, target.whole_config, drafter.config)["total"]
+        self.flops_per_micro = micro_batch_flops(cfg, target.whole_config, drafter.config)
         self.peak_tflops: float | None = None  # measured at the start of run() on the main rank
+        self.peak_fp8_tflops: float | None = None  # and the FP8 rate, with target_fp8
         self.step = 0
         self.bad_run = torch.zeros((), dtype=torch.long, device=self.device)  # consecutive skipped steps
         self.skipped = torch.zeros((), dtype=torch.long, device=self.device)
@@ -653,6 +654,7 @@ class Trainer:
             wandb_config = cfg.model_dump(mode="json") if cfg.wandb else None
             log = MetricsLogger(self.out, self.total_steps, start_step=self.step, wandb_config=wandb_config)
             self.peak_tflops = matmul_tflops(self.device)
+            self.peak_fp8_tflops = matmul_tflops(self.device, fp8=True) if cfg.target_fp8 else None
         first = last = float("nan")
         window = Window(self.device)
         with self._stop_on_interrupt() as interrupted:
@@ -735,14 +737,16 @@ class Trainer:
         positions, tokens = self.topo.drafter_sum_(totals).tolist()
         elapsed = max(time.perf_counter() - window.start, 1e-9)
         micro = self.spec.micro_per_step * window.steps
-        achieved = self.flops_per_micro * micro / elapsed / 1e12
+        done = {k: v * micro for k, v in self.flops_per_micro.items()}
         m = stats.to_metrics()
         m.update(
             step=self.step,
             lr=self.scheduler.get_last_lr()[0],
             ctx_tok_s=tokens / elapsed,
             draft_pos_s=positions / elapsed,
-            mfu=achieved / ((self.peak_tflops or 1.0) * self.topo.world_size),
+            mfu=mfu(done, elapsed, self.peak_tflops, self.peak_fp8_tflops, self.topo.world_size)
+            if self.peak_tflops  # the main rank's
+            else 0.0,
             mem_gib=torch.cuda.max_memory_allocated() / 2**30 if self.device.type == "cuda" else 0.0,
             skipped_steps=int(self.skipped),
         )
