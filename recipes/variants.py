@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -77,10 +78,11 @@ class Comparison:
 
 
 def parse_variant(text: str) -> tuple[str, dict]:
-    """NAME or NAME:KEY=VALUE,KEY=VALUE (dotted `flashdraft train` keys, values read as YAML)."""
+    """NAME or NAME:KEY=VALUE,KEY=VALUE (dotted `flashdraft train` keys, values read as YAML, so a
+    list's commas stay in it: `sliding:drafter.layer_types=[sliding_attention,full_attention]`)."""
     name, _, rest = text.partition(":")
     settings = {}
-    for item in filter(None, rest.split(",")):
+    for item in filter(None, re.split(r",(?=\s*[\w.]+=)", rest)):
         key, sep, value = item.partition("=")
         if not sep or not key.strip():
             raise ValueError(

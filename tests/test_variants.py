@@ -40,6 +40,11 @@ def _comparison(target, data, **over):
 
 def test_a_variant_is_a_name_and_its_settings():
     assert parse_variant("today") == ("today", {})
+    sliding = "sliding:drafter.layer_types=[sliding_attention, full_attention],drafter.sliding_window=64"
+    assert parse_variant(sliding) == (
+        "sliding",
+        {"drafter.layer_types": ["sliding_attention", "full_attention"], "drafter.sliding_window": 64},
+    )
     assert parse_variant("mix:distill=0.5,drafter.num_layers=6") == (
         "mix",
         {"distill": 0.5, "drafter.num_layers": 6},
