@@ -86,7 +86,7 @@ def parse_variant(text: str) -> tuple[str, dict]:
         key, sep, value = item.partition("=")
         if not sep or not key.strip():
             raise ValueError(
-                f"--variant {text!r}: expected NAME:KEY=VALUE[,KEY=VALUE], e.g. dpace:position_weights=dpace"
+                f"--variant {text!r}: expected NAME:KEY=VALUE[,KEY=VALUE], e.g. gamma:position_weights=gamma"
             )
         settings[key.strip()] = yaml.safe_load(value)
     return name.strip(), settings

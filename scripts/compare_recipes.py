@@ -2,7 +2,7 @@
 
     # the SmolLM2 proof's target, data, drafter settings and eval prompts (after its prepare stage):
     python scripts/compare_recipes.py --out OUT --smollm2 /root/keep/proof --humaneval 64 --steps 2000 \\
-        --variant today --variant distill:distill=1.0 --variant dpace:position_weights=dpace --minutes 9
+        --variant today --variant distill:distill=1.0 --variant gamma:position_weights=gamma --minutes 9
     python scripts/compare_recipes.py --out OUT --minutes 9        # the next call continues it
     # any target and token dataset:
     python scripts/compare_recipes.py --out OUT --target DIR --data DIR --prompts code=code.jsonl \\

@@ -33,7 +33,7 @@ def data_dir(token_data_dir):
 def _comparison(target, data, **over):
     fields = dict(
         target=str(target), data=str(data), base=BASE, steps=4, prompts=PROMPTS, max_new_tokens=12,
-        device="cpu", variants={"today": {}, "dpace": {"position_weights": "dpace"}},
+        device="cpu", variants={"today": {}, "gamma": {"position_weights": "gamma"}},
     )  # fmt: skip
     return Comparison(**(fields | over))
 
@@ -76,11 +76,11 @@ def test_variants_train_equal_tokens_and_their_served_tau_is_compared(tiny_targe
     # every variant trained the same steps on the same micro-batches, and differently
     training = table["training"]
     assert {t["steps"] for t in training.values()} == {4} and training["today"]["tokens"] > 0
-    assert training["today"]["tokens"] == training["dpace"]["tokens"]
-    a, b = (latest_checkpoint(out / n / "run" / "checkpoints") for n in ("today", "dpace"))
+    assert training["today"]["tokens"] == training["gamma"]["tokens"]
+    a, b = (latest_checkpoint(out / n / "run" / "checkpoints") for n in ("today", "gamma"))
     assert a.name == b.name == "step_000004"
-    saved = {n: yaml.safe_load((out / n / "run" / "config.yaml").read_text()) for n in ("today", "dpace")}
-    assert (saved["today"]["position_weights"], saved["dpace"]["position_weights"]) == ("gamma", "dpace")
+    saved = {n: yaml.safe_load((out / n / "run" / "config.yaml").read_text()) for n in ("today", "gamma")}
+    assert (saved["today"]["position_weights"], saved["gamma"]["position_weights"]) == ("dpace", "gamma")
     wa, wb = load_drafter(a).state_dict(), load_drafter(b).state_dict()
     assert not all(torch.equal(wa[k], wb[k]) for k in wa)
     rows = {(r["set"], r["temperature"], r["variant"]): r for r in table["rows"]}
@@ -97,7 +97,7 @@ def test_variants_train_equal_tokens_and_their_served_tau_is_compared(tiny_targe
         full = run_methods(
             decoding_target(model, drafter), drafter, ids, 12, 8, t, stop_token_ids(model, tokenizer)
         )
-        for who, method in (("dpace", "dflash"), ("ngram", "ngram")):
+        for who, method in (("gamma", "dflash"), ("ngram", "ngram")):
             report = json.loads((out / who / f"code_t{t:g}.json").read_text())
             assert report["outputs"] == [g.tokens for g in full[method]]  # the same samples at T = 1
             assert report["tau_per_sample"] == pytest.approx([g.tau for g in full[method]])

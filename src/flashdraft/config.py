@@ -106,10 +106,11 @@ class TrainConfig(_Strict):
     anchors_per_document: int | None = Field(None, ge=1, description="cap of anchors in one packed document")
     gamma: float | None = Field(None, gt=0, description="slot weight decay; by block size when unset")
     position_weights: Literal["gamma", "dpace"] = Field(
-        "gamma",
-        description="how a block's slots are weighted: gamma, a fixed decay exp(-(k - 1) / gamma); dpace, "
-        "each slot by its share of the gradient of the expected acceptance length, from the drafter's "
-        "current probabilities of the labels (D-PACE, arXiv 2605.18810)",
+        "dpace",
+        description="how a block's slots are weighted: dpace, each slot by its share of the gradient of "
+        "the expected acceptance length, from the drafter's current probabilities of the labels (D-PACE, "
+        "arXiv 2605.18810; the default: +10-12% served tau at T = 0 on SmolLM2, docs/recipe.md); gamma, "
+        "the DFlash paper's fixed decay exp(-(k - 1) / gamma)",
     )
     dpace_alpha: float = Field(
         0.5,
