@@ -317,7 +317,8 @@ def print_comparison(table: dict, console=None) -> None:
         v = r["vs_reference"]
         ratio = f"{v['ratio']:.3f} ({v['ci95'][0]:.2f}-{v['ci95'][1]:.2f})" if v["ratio"] else "-"
         accept = " ".join("-" if a is None else f"{a:.2f}" for a in r["acceptance_1_3"])
-        tau = f"{r['tau']:.2f} ± {r['tau_stderr']:.2f}"
+        se = r["tau_stderr"]  # None with one prompt
+        tau = f"{r['tau']:.2f}" + ("" if se is None else f" ± {se:.2f}")
         t.add_row(
             r["set"],
             f"{r['temperature']:g}",

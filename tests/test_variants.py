@@ -8,11 +8,12 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from rich.console import Console
 
 from flashdraft.eval.spec import decoding_target, encode_prompt, run_methods
 from flashdraft.model.checkpoint import latest_checkpoint, load_drafter
 from flashdraft.model.target import load_target, stop_token_ids
-from recipes.variants import Comparison, open_comparison, parse_variant, run_comparison
+from recipes.variants import Comparison, open_comparison, parse_variant, print_comparison, run_comparison
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = {
@@ -120,3 +121,14 @@ def test_the_command_line_writes_the_comparison_it_names(tiny_target_dir, data_d
     assert cmp.variants == {"today": {}, "mix": {"distill": 0.5, "drafter.num_taps": 2}}
     assert (cmp.steps, cmp.max_new_tokens, cmp.ngram, cmp.base) == (3, 9, False, {"drafter.num_layers": 1})
     assert cmp.prompts == {"code": PROMPTS["code"]} and cmp.decoders == ("today", "mix")
+
+
+def test_the_table_prints_with_one_prompt_a_set():
+    """One prompt has no standard error: the table prints tau alone (it raised a TypeError)."""
+    row = {"set": "code", "temperature": 0.0, "variant": "today", "tau": 1.5, "tau_stderr": None,
+           "vs_reference": {"ratio": 1.0, "ci95": [1.0, 1.0], "samples": 1},
+           "acceptance_1_3": [0.5, None, None], "ngram_tau": None}  # fmt: skip
+    table = {"steps": 3, "reference": "today", "rows": [row], "training": {}}
+    console = Console(record=True, width=120)
+    print_comparison(table, console)
+    assert "│ 1.50 │" in console.export_text()
