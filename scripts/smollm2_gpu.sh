@@ -4,6 +4,8 @@
 #   call 2.. (carry .whl .carry2, each right after the last: a warm machine goes back after 30 s idle):
 #                                 bash scripts/smollm2_gpu.sh run [scripts/smollm2_proof.py options]
 #   after the regenerate stage:   bash scripts/smollm2_gpu.sh pack   -> $OUT/proofdata.tgz (about 11 MB)
+#   recipe variants (call 2..):   bash scripts/smollm2_gpu.sh compare --steps 1000 --variant today \
+#                                   --variant gamma:position_weights=gamma   (then `compare` alone, until done)
 # A later session that copies that file to .carry2/proofdata.tgz starts its proof from those prompts and
 # answers (`run` unpacks it into a new proof directory and goes on at `prepare`), saving the prompts and
 # regenerate stages (about 3.5 minutes of the H200).
@@ -50,7 +52,31 @@ PY
     grep -v "Loading weights\|it/s\]\|examples/s\]" "$LOGS/call$n.log" | tail -40
     tar czf "${OUT:-/tmp}/proof_logs.tgz" -C /root/keep logs proof/summary.json proof/run/metrics.jsonl proof/eval 2>/dev/null
     exit $rc ;;
+  compare)
+    # recipe variants on the proof's data (scripts/compare_recipes.py, its options after `compare`); the
+    # first call prepares the data (from .carry2/proofdata.tgz) and starts them, the next calls (with no
+    # options) go on; the reports and logs are packed into $OUT/variants.tgz
+    shift
+    V=/root/keep/variants
+    if [ ! -d "$V" ] && [ ! -d "$PROOF/data" ]; then
+      bash scripts/smollm2_gpu.sh run --minutes 9 --stop-after prepare || exit $?
+    fi
+    export PYTHONPATH=$SITE:$PWD/src
+    mkdir -p "$LOGS"
+    left=$(python3 -c "print(round((575 - ($(date +%s) - $started)) / 60, 2))")  # 600 s a call, less packing
+    log="$LOGS/compare$(ls "$LOGS" | wc -l).log"
+    if [ -d "$V" ]; then
+      python3 scripts/compare_recipes.py --out "$V" --minutes "$left" > "$log" 2>&1
+    else
+      python3 scripts/compare_recipes.py --out "$V" --smollm2 "$PROOF" --minutes "$left" "$@" > "$log" 2>&1
+    fi
+    rc=$?
+    grep -v "it/s\]" "$log" | tail -45
+    (cd /root/keep && tar czf "${OUT:-/tmp}/variants.tgz" logs \
+      $(find variants -name '*.json' -o -name '*.jsonl' -o -name '*.log' | grep -v /checkpoints/))
+    exit $rc ;;
   pack)
     (cd "$PROOF" && tar czf "${OUT:-/tmp}/proofdata.tgz" conversations.jsonl prompts.chat.jsonl prompts.code.jsonl summary.json) ;;
-  *) echo "usage: $0 keep | run [smollm2_proof.py options] | pack" >&2; exit 2 ;;
+  *) echo "usage: $0 keep | run [smollm2_proof.py options] | compare [compare_recipes.py options] | pack" >&2
+     exit 2 ;;
 esac
