@@ -25,6 +25,16 @@ def test_bench_tiny_reports_throughput_mfu_and_phases(tmp_path):
     assert phases <= set(r["phases_ms"])
 
 
+def test_bench_with_an_fp8_target_measures_the_fp8_rate_for_its_mfu(tmp_path):
+    out = tmp_path / "bench.json"
+    args = ["bench", "--shape", "tiny", "--seq-len", "128", "--anchors", "8", "--steps", "1", "--warmup", "1"]
+    result = CliRunner().invoke(app, [*args, "--device", "cpu", "--target-fp8", "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    r = json.loads(out.read_text())
+    assert r["settings"]["target_fp8"] is True and r["fp8_matmul_tflops"] > 0 and 0 < r["mfu"] < 1
+    assert "FP8 matmul peak TFLOP/s (same run)" in result.output
+
+
 def test_flop_count_of_the_paper_shape_matches_docs_perf():
     """docs/perf.md: about 43 TFLOP of target and 73 of drafter per 3072-token sample."""
     target = shape_config("qwen3-8b")

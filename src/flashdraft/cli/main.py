@@ -361,20 +361,23 @@ def bench(
     table = Table(title=title)
     table.add_column("metric")
     table.add_column("value", justify="right")
+    # with an FP8 target its linears count at the FP8 rate in the MFU
+    fp8 = (
+        [("FP8 matmul peak TFLOP/s (same run)", f"{r.fp8_matmul_tflops:.1f}")] if r.fp8_matmul_tflops else []
+    )
     rows = [
         ("step (median)", f"{r.step_ms:.1f} ms"),
         ("context tokens/s", f"{r.ctx_tok_s:,.0f}"),
         ("draft positions/s", f"{r.draft_pos_s:,.0f}"),
         ("model TFLOP/s", f"{r.model_tflops:.1f}"),
         ("matmul peak TFLOP/s (same run)", f"{r.matmul_tflops:.1f}"),
+        *fp8,
         ("MFU", f"{100 * r.mfu:.1f}%"),
         ("peak memory", f"{r.peak_mem_gib:.1f} GiB"),
         ("start-up / first step", f"{r.startup_s:.1f} s / {r.first_step_s:.1f} s"),
         ("compile", r.compile_report),
         ("settings", ", ".join(f"{k} {v}" for k, v in r.settings.items())),
     ]
-    if r.fp8_matmul_tflops:  # the target's linears count at the FP8 rate in the MFU
-        rows.insert(5, ("FP8 matmul peak TFLOP/s (same run)", f"{r.fp8_matmul_tflops:.1f}"))
     if r.drafter_busy is not None:
         rows.append(("busy: drafter / target", f"{r.drafter_busy:.0%} / {r.target_busy:.0%}"))
     rows += [(f"rank {x['rank']} ({x['role']})", _rank_line(x)) for x in r.ranks if r.world_size > 1]
