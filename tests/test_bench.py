@@ -13,12 +13,29 @@ from flashdraft.model.drafter import drafter_config
 from flashdraft.train.flops import step_flops
 
 
-def test_bench_tiny_reports_throughput_mfu_and_phases(tmp_path):
+def _bench_tiny(tmp_path, steps: int, *options: str) -> tuple[str, dict]:
+    """`flashdraft bench --shape tiny` on the CPU with `options`: (its output, its JSON result)."""
     out = tmp_path / "bench.json"
-    args = ["bench", "--shape", "tiny", "--seq-len", "128", "--anchors", "8", "--steps", "2", "--warmup", "1"]
-    result = CliRunner().invoke(app, [*args, "--device", "cpu", "--recompute-logits", "--json", str(out)])
+    args = [
+        "bench",
+        "--shape",
+        "tiny",
+        "--seq-len",
+        "128",
+        "--anchors",
+        "8",
+        "--steps",
+        str(steps),
+        "--warmup",
+        "1",
+    ]
+    result = CliRunner().invoke(app, [*args, "--device", "cpu", *options, "--json", str(out)])
     assert result.exit_code == 0, result.output
-    r = json.loads(out.read_text())
+    return result.output, json.loads(out.read_text())
+
+
+def test_bench_tiny_reports_throughput_mfu_and_phases(tmp_path):
+    _, r = _bench_tiny(tmp_path, 2, "--recompute-logits")
     assert r["settings"]["recompute_logits"] is True  # the option reached the trainer
     assert r["ctx_tok_s"] > 0 and r["draft_pos_s"] > 0 and 0 < r["mfu"] < 1
     phases = {"target_forward", "block_mask", "drafter_forward", "loss_forward", "backward", "optimizer"}
@@ -26,13 +43,9 @@ def test_bench_tiny_reports_throughput_mfu_and_phases(tmp_path):
 
 
 def test_bench_with_an_fp8_target_measures_the_fp8_rate_for_its_mfu(tmp_path):
-    out = tmp_path / "bench.json"
-    args = ["bench", "--shape", "tiny", "--seq-len", "128", "--anchors", "8", "--steps", "1", "--warmup", "1"]
-    result = CliRunner().invoke(app, [*args, "--device", "cpu", "--target-fp8", "--json", str(out)])
-    assert result.exit_code == 0, result.output
-    r = json.loads(out.read_text())
+    output, r = _bench_tiny(tmp_path, 1, "--target-fp8")
     assert r["settings"]["target_fp8"] is True and r["fp8_matmul_tflops"] > 0 and 0 < r["mfu"] < 1
-    assert "FP8 matmul peak TFLOP/s (same run)" in result.output
+    assert "FP8 matmul peak TFLOP/s (same run)" in output
 
 
 def test_flop_count_of_the_paper_shape_matches_docs_perf():
