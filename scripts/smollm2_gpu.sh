@@ -14,7 +14,7 @@
 # SIGSEGV on the H200, session 14). --minutes is the budget of the whole call, install and the prompts
 # process included (a call of session 15 that counted only the last process ran past the 600 s limit). Logs and the summary are packed into $OUT/proof_logs.tgz.
 set -uo pipefail
-started=$(date +%s)  # --minutes is the whole call's: install and prompts included
+started=${CALL_STARTED:-$(date +%s)}  # --minutes is the whole call's (from $CALL_STARTED when set: a call that ran other work first)
 cd "$(dirname "$0")/.."
 SITE=/root/keep/site PROOF=/root/keep/proof LOGS=/root/keep/logs
 case "${1:-}" in

@@ -1,5 +1,6 @@
 """`flashdraft bench --shape tiny` runs the real training step on CPU, so the command cannot rot."""
 
+import gzip
 import json
 import subprocess
 import sys
@@ -35,11 +36,17 @@ def _bench_tiny(tmp_path, steps: int, *options: str) -> tuple[str, dict]:
 
 
 def test_bench_tiny_reports_throughput_mfu_and_phases(tmp_path):
-    _, r = _bench_tiny(tmp_path, 2, "--recompute-logits")
+    _, r = _bench_tiny(tmp_path, 2, "--recompute-logits", "--profile", str(tmp_path / "prof"))
     assert r["settings"]["recompute_logits"] is True  # the option reached the trainer
     assert r["ctx_tok_s"] > 0 and r["draft_pos_s"] > 0 and 0 < r["mfu"] < 1
     phases = {"target_forward", "block_mask", "drafter_forward", "loss_forward", "backward", "optimizer"}
     assert phases <= set(r["phases_ms"])
+    # --profile: the trace names each phase, and the ops table gives the matmuls with their shapes
+    with gzip.open(tmp_path / "prof" / "trace.json.gz") as f:
+        names = {e.get("name") for e in json.load(f)["traceEvents"]}
+    assert {f"phase:{p}" for p in phases} <= names
+    ops = (tmp_path / "prof" / "ops.txt").read_text()
+    assert "aten::mm" in ops and "[[" in ops
 
 
 def test_bench_with_an_fp8_target_measures_the_fp8_rate_for_its_mfu(tmp_path):

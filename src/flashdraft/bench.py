@@ -5,10 +5,16 @@ training steps through the Trainer (the code path of `flashdraft train`), measur
 rate in the same process, and reports median step time, context tokens/s, draft positions/s, model
 TFLOP/s, MFU, peak memory and a per-phase breakdown. FLOPs are model FLOPs (what the math needs),
 counted as in docs/perf.md.
+
+`profile`: after the measured steps, PROFILED_STEPS more run under torch.profiler; DIR/trace.json.gz is
+the Chrome trace (each phase a named range) and DIR/ops.txt the ops by device time with their input
+shapes (a matmul's shape tells its rate), for the question the phase table leaves open: which kernels.
 """
 
 from __future__ import annotations
 
+import gzip
+import shutil
 import statistics
 import tempfile
 import time
@@ -192,6 +198,7 @@ def run_bench(
     compile_target: bool | None = None,
     layout: str = "colocated",
     target_fp8: bool = False,
+    profile: Path | None = None,
 ) -> BenchResult | None:
     """One process, or one rank of `flashdraft bench --nproc N` (under torchrun): every rank runs
     this; the main rank returns the result (throughput summed over drafter ranks, MFU over every
@@ -232,7 +239,7 @@ def run_bench(
             trainer.serve(cfg.max_steps)
             topo.gather_objects(_rank_info(topo, dev, startup, None))
             return None
-        r = _drafter_bench(trainer, dev, steps, warmup)
+        r = _drafter_bench(trainer, dev, steps, warmup, profile if topo.is_main else None)
         ranks = topo.gather_objects(_rank_info(topo, dev, startup, r["first_step"], trainer.compile_report))
     finally:
         trainer.close()
@@ -295,7 +302,9 @@ def _experts(cfg) -> str | None:
     return getattr(cfg, "_experts_implementation", None) if moe else None
 
 
-def _drafter_bench(trainer: Trainer, dev: torch.device, steps: int, warmup: int) -> dict:
+def _drafter_bench(
+    trainer: Trainer, dev: torch.device, steps: int, warmup: int, profile: Path | None
+) -> dict:
     first_timer = PhaseTimer(enabled=True, device=dev)
     t0 = time.perf_counter()
     try:
@@ -311,6 +320,8 @@ def _drafter_bench(trainer: Trainer, dev: torch.device, steps: int, warmup: int)
         t_measure = time.perf_counter()
         times, positions, phases = _measure(trainer, steps, dev)
         wall = time.perf_counter() - t_measure
+        if profile is not None:
+            _profile(trainer, dev, profile)
     finally:
         torch.compiler.set_stance("default")
     return dict(
@@ -322,6 +333,33 @@ def _drafter_bench(trainer: Trainer, dev: torch.device, steps: int, warmup: int)
         drafter_busy=1 - trainer.topo.drafter_max(remote.wait_s - waited) / wall if remote else None,
         target_busy=remote.target_busy if remote else None,
     )
+
+
+PROFILED_STEPS = 2
+
+
+def _profile(trainer: Trainer, dev: torch.device, out: Path) -> None:
+    """PROFILED_STEPS steps under torch.profiler: OUT/trace.json.gz and OUT/ops.txt (module docstring)."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as profiler
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
+    out.mkdir(parents=True, exist_ok=True)
+    timer = PhaseTimer(enabled=True, device=dev, ranges=True)
+    with profiler(activities=activities, record_shapes=True) as prof:
+        for _ in range(PROFILED_STEPS):
+            trainer.train_step_guarded(timer)
+        sync(dev)
+    sort = "device_time_total" if dev.type == "cuda" else "cpu_time_total"
+    table = prof.key_averages(group_by_input_shape=True).table(
+        sort_by=sort, row_limit=80, max_name_column_width=60
+    )
+    (out / "ops.txt").write_text(f"{PROFILED_STEPS} steps, sorted by {sort}\n{table}\n")
+    raw = out / "trace.json"
+    prof.export_chrome_trace(str(raw))
+    with raw.open("rb") as src, gzip.open(out / "trace.json.gz", "wb") as dst:
+        shutil.copyfileobj(src, dst)
+    raw.unlink()
 
 
 def _rank_info(topo, dev, startup: float, first_step: float | None, report=None) -> dict:

@@ -316,6 +316,10 @@ def bench(
     target_fp8: bool = typer.Option(False, "--target-fp8", help="the target's linears in FP8 (target_fp8)"),
     nproc: int | None = typer.Option(None, help="launch N processes on this machine (torch's launcher)"),
     json_out: Path | None = typer.Option(None, "--json", help="write the result as JSON here"),
+    profile: Path | None = typer.Option(
+        None,
+        help="also profile 2 steps: DIR/trace.json.gz (Chrome trace) and DIR/ops.txt (ops by device time)",
+    ),
 ) -> None:
     """Training throughput on random weights of a named target shape: tok/s, MFU, memory, phases.
 
@@ -352,6 +356,7 @@ def bench(
             compile_target=compile_target,
             layout=layout,
             target_fp8=target_fp8,
+            profile=profile,
         )
     except ValueError as e:
         _fail(str(e))

@@ -5,14 +5,16 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import torch
 
 
 class PhaseTimer:
-    def __init__(self, enabled: bool = False, device: torch.device | None = None):
+    def __init__(self, enabled: bool = False, device: torch.device | None = None, ranges: bool = False):
+        """ranges: each phase is also a named range in a profiler's trace (`flashdraft bench --profile`)."""
         self.enabled = enabled
+        self.ranges = ranges
         self.cuda = enabled and device is not None and device.type == "cuda"
         self.spans: dict[str, list] = defaultdict(list)
 
@@ -21,16 +23,17 @@ class PhaseTimer:
         if not self.enabled:
             yield
             return
-        if self.cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            yield
-            end.record()
-            self.spans[name].append((start, end))
-        else:
-            t0 = time.perf_counter()
-            yield
-            self.spans[name].append(time.perf_counter() - t0)
+        with torch.profiler.record_function(f"phase:{name}") if self.ranges else nullcontext():
+            if self.cuda:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                yield
+                end.record()
+                self.spans[name].append((start, end))
+            else:
+                t0 = time.perf_counter()
+                yield
+                self.spans[name].append(time.perf_counter() - t0)
 
     def reset(self) -> None:
         self.spans.clear()
