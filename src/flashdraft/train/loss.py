@@ -7,8 +7,11 @@ never materialises logits for all draft positions at once (forward or backward).
 Hand-written rather than a fused linear cross-entropy kernel (liger-kernel, cut-cross-entropy)
 because the step needs more than a reduced loss: a weight per position (slot decay x loss mask x
 block validity) and each position's argmax (slot accuracy, tau_train, validation's walk), here
-from the same chunk of logits. Whether a fused kernel with per-position predictions beats this on
-the GPU is not measured (docs/results.md: the loss forward is 21.9 ms of the 232 ms Qwen3-8B step).
+from the same chunk of logits. With `compiled`, torch.compile fuses what follows the lm_head matmul
+(the fp32 upcast, log-softmax, the label's term, argmax, and in the backward softmax minus one-hot)
+into a few passes over the bf16 logits: eager, those element-wise kernels took 14 ms of the 232 ms
+Qwen3-8B step on the H200 (`flashdraft bench --profile`, docs/results.md), twice the fp32 logits'
+memory.
 """
 
 from __future__ import annotations
@@ -54,6 +57,9 @@ def _chunk_ce(
     return loss, logits.argmax(-1)
 
 
+_compiled_chunk_ce = torch.compile(_chunk_ce, dynamic=False)
+
+
 def dpace_weights(ce: torch.Tensor, weights: torch.Tensor, alpha: float = 0.5) -> torch.Tensor:
     """D-PACE slot weights [blocks, B-1] from each label's loss `ce` (no gradient) and the fixed
     `weights` (loss mask x validity x decay). The expected acceptance length of a block, with p_k the
@@ -81,6 +87,7 @@ def block_loss(
     teacher: torch.Tensor | None = None,
     distill: float = 0.0,
     dpace: float | None = None,
+    compiled: bool = False,
 ) -> BlockLoss:
     """hidden [b, n*B, D] -> weighted CE over slots 1..B-1 (slot 0, the anchor, has no loss and
     no logits are computed for it).
@@ -91,7 +98,8 @@ def block_loss(
     hidden state before each label of slots 1..B-1; each position's loss is (1 - distill) x CE +
     distill x KL(target || drafter), the target's logits computed at those positions only.
     dpace: the weights' slot decay is replaced by `dpace_weights` with this smoothing alpha (the
-    positions with a weight keep one); None: the fixed weights.
+    positions with a weight keep one); None: the fixed weights. compiled: each chunk's loss through
+    torch.compile (module docstring).
     """
     b, n, bs = labels.shape
     h = hidden.view(b, n, bs, -1)[:, :, 1:].reshape(b * n * (bs - 1), -1)
@@ -103,14 +111,15 @@ def block_loss(
     counted = torch.zeros(bs, device=hidden.device).index_add_(0, slot, (w > 0).float())
     hits = torch.empty_like(y, dtype=torch.bool)
     losses = []
+    chunk_ce = _compiled_chunk_ce if compiled else _chunk_ce
     for start in range(0, h.shape[0], chunk_rows):
         sl = slice(start, start + chunk_rows)
         hc, yc, wc = h[sl], y[sl], w[sl]
         tc = teacher[sl] if teacher is not None else None
         if recompute and torch.is_grad_enabled() and hc.requires_grad:
-            ce, pred = checkpoint(_chunk_ce, hc, lm_head_weight, yc, tc, distill, use_reentrant=False)
+            ce, pred = checkpoint(chunk_ce, hc, lm_head_weight, yc, tc, distill, use_reentrant=False)
         else:
-            ce, pred = _chunk_ce(hc, lm_head_weight, yc, tc, distill)
+            ce, pred = chunk_ce(hc, lm_head_weight, yc, tc, distill)
         if dpace is not None:
             losses.append(ce)
         else:

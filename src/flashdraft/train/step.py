@@ -199,4 +199,5 @@ def micro_step_loss(
             teacher=teacher,
             distill=kernels.distill,
             dpace=kernels.dpace,
+            compiled=kernels.compiled,
         )
