@@ -32,9 +32,8 @@ def default_gamma(block_size: int) -> float:
 def slot_weights(block_size: int, gamma: float, device=None) -> torch.Tensor:
     """w_k = exp(-(k-1)/gamma) for k = 1..B-1, and 0 for slot 0 (the anchor is not predicted)."""
     k = torch.arange(block_size, device=device, dtype=torch.float32)
-    w = torch.exp(-(k - 1) / gamma)
-    w[0] = 0.0
-    return w
+    # not `w[0] = 0.0`: on the GPU that assignment copies a host scalar and waits for the queued work
+    return torch.where(k > 0, torch.exp(-(k - 1) / gamma), 0.0)
 
 
 @dataclass
