@@ -81,3 +81,28 @@ def test_bench_split_layout_sums_drafter_ranks_and_reports_every_rank(tmp_path):
     assert r["mfu"] == pytest.approx(r["model_tflops"] / (3 * r["matmul_tflops"]))
     assert r["model_tflops"] > 0 and 0 < r["drafter_busy"] <= 1 and 0 < r["target_busy"] <= 1
     assert "receive" in r["phases_ms"] and "target_forward" not in r["phases_ms"]
+
+
+def test_trace_summary_splits_a_step_into_kernels_phases_idle_time_and_host_waits():
+    from benchmarks.trace_summary import summarize
+
+    def kernel(name, ts, dur):
+        return {"cat": "kernel", "name": name, "ts": ts, "dur": dur}
+
+    events = [
+        {"cat": "gpu_user_annotation", "name": "phase:loss_forward", "ts": 0, "dur": 1000},
+        kernel("gemm", 0, 600),
+        kernel("softmax", 700, 300),  # 100 us idle before it
+        kernel("gemm", 1500, 500),  # a backward kernel, outside every phase; 500 us idle before it
+        {"cat": "cuda_runtime", "name": "cudaStreamSynchronize", "ts": 1010, "dur": 380, "tid": 1},
+        {"cat": "user_annotation", "name": "phase:target_forward", "ts": 1750, "dur": 800, "tid": 1},
+        {"cat": "cpu_op", "name": "aten::item", "ts": 1790, "dur": 700, "tid": 1},
+        {"cat": "cpu_op", "name": "aten::item", "ts": 1790, "dur": 700, "tid": 2},  # another thread's
+        {"cat": "cuda_runtime", "name": "cudaStreamSynchronize", "ts": 1800, "dur": 600, "tid": 1},
+    ]
+    s = summarize({"traceEvents": events}, steps=1)
+    assert (s["span_ms"], s["kernels_ms"], s["idle_ms"]) == pytest.approx((2.0, 1.4, 0.6))
+    assert s["top"][0] == ("gemm", pytest.approx(1.1), 2)
+    assert s["phases_ms"] == pytest.approx({"loss_forward": 0.9, "(no phase)": 0.5})
+    # the 380 us wait is under the threshold; the other names what it sat in, on its own thread
+    assert s["waits"] == [(0.6, "phase:target_forward > aten::item")]
