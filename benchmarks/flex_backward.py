@@ -92,12 +92,15 @@ def main() -> None:
 
 
 def _time(attend, qkv, grad_out, mask, options, iters: int):
-    """Median forward and backward milliseconds (CUDA events, after 3 warm-up calls) and the gradients."""
+    """Median forward and backward milliseconds (CUDA events, after 3 warm-up calls) and the gradients.
+    Session 18's table was timed without the queued sleep: its forward column moved by up to 30% between
+    settings that share the forward kernel, the host's launch time included."""
     leaves = [t.detach().requires_grad_() for t in qkv]
     fwd_ms, bwd_ms = [], []
     for i in range(iters + 3):
         e = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
-        e[0].record()
+        torch.cuda._sleep(2_000_000)  # about a millisecond of GPU work queued first: the events time the
+        e[0].record()  # kernels, not the host's launch (the GPU would otherwise wait for it, idle)
         out = attend(*leaves, block_mask=mask, enable_gqa=True, kernel_options=options)
         e[1].record()
         grads = torch.autograd.grad(out, leaves, grad_out)
