@@ -106,3 +106,11 @@ def test_trace_summary_splits_a_step_into_kernels_phases_idle_time_and_host_wait
     assert s["phases_ms"] == pytest.approx({"loss_forward": 0.9, "(no phase)": 0.5})
     # the 380 us wait is under the threshold; the other names what it sat in, on its own thread
     assert s["waits"] == [(0.6, "phase:target_forward > aten::item")]
+
+
+def test_bench_refuses_to_profile_several_processes(tmp_path):
+    """The main rank's profiled steps would wait forever on ranks that do not take them."""
+    args = ["bench", "--shape", "tiny", "--device", "cpu", "--nproc", "2", "--profile", str(tmp_path / "p")]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 2 and "--profile profiles one process" in result.output
+    assert not (tmp_path / "p").exists()

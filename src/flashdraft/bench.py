@@ -235,11 +235,13 @@ def run_bench(
         torch.cuda.reset_peak_memory_stats()
     startup = time.perf_counter() - t_start
     try:
+        if profile is not None and topo.world_size > 1:
+            raise ValueError("profile: one process only (the other ranks would not take its steps)")
         if not topo.is_drafter:
             trainer.serve(cfg.max_steps)
             topo.gather_objects(_rank_info(topo, dev, startup, None))
             return None
-        r = _drafter_bench(trainer, dev, steps, warmup, profile if topo.is_main else None)
+        r = _drafter_bench(trainer, dev, steps, warmup, profile)
         ranks = topo.gather_objects(_rank_info(topo, dev, startup, r["first_step"], trainer.compile_report))
     finally:
         trainer.close()

@@ -329,6 +329,9 @@ def bench(
     import dataclasses
     import json
 
+    if profile is not None and (nproc is not None or "LOCAL_RANK" in os.environ):
+        # the main rank's extra steps would wait forever on ranks that do not take them
+        _fail("--profile profiles one process: run it without --nproc or torchrun")
     if nproc is not None and "LOCAL_RANK" not in os.environ:
         _launch(nproc)
         return
