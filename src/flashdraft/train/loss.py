@@ -9,9 +9,9 @@ because the step needs more than a reduced loss: a weight per position (slot dec
 block validity) and each position's argmax (slot accuracy, tau_train, validation's walk), here
 from the same chunk of logits. With `compiled`, torch.compile fuses what follows the lm_head matmul
 (the fp32 upcast, log-softmax, the label's term, argmax, and in the backward softmax minus one-hot)
-into a few passes over the bf16 logits: eager, those element-wise kernels took 14 ms of the 232 ms
-Qwen3-8B step on the H200 (`flashdraft bench --profile`, docs/results.md), twice the fp32 logits'
-memory.
+into a few passes over the bf16 logits. Eager, those element-wise kernels took 15 ms of the 232 ms
+Qwen3-8B step on the H200 and the fp32 logits and log-softmax kept for the backward 10 GiB; compiled,
+4 ms (`flashdraft bench --profile`, docs/results.md).
 """
 
 from __future__ import annotations
