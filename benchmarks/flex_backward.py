@@ -76,7 +76,7 @@ def main() -> None:
     print(f"{'setting':20s} {'fwd ms':>8s} {'bwd ms':>8s} {'fwd TFLOP/s':>12s} {'bwd TFLOP/s':>12s}  grads")
     for name, options in SETTINGS.items():
         try:
-            fwd_ms, bwd_ms, grads = _time(attend, (q, k, v), grad_out, mask, options, args.iters)
+            f, b, grads = _time(attend, (q, k, v), grad_out, mask, options, args.iters)
         except Exception as err:  # a tile setting the GPU cannot run (shared memory): report, go on
             print(f"{name:20s} failed: {str(err).splitlines()[0][:90]}")
             continue
@@ -86,7 +86,6 @@ def main() -> None:
             pairs = zip(grads, reference, strict=True)
             same = all(torch.allclose(a.float(), b.float(), rtol=2e-2, atol=2e-2) for a, b in pairs)
             check = "equal" if same else "DIFFER"
-        f, b = fwd_ms, bwd_ms
         rates = f"{fwd_flops / f / 1e9:12.1f} {2.5 * fwd_flops / b / 1e9:12.1f}"
         print(f"{name:20s} {f:8.3f} {b:8.3f} {rates}  {check}")
 
