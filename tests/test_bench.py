@@ -8,7 +8,7 @@ import sys
 import pytest
 from typer.testing import CliRunner
 
-from flashdraft.bench import shape_config
+from flashdraft.bench import DEFAULT_ROWS, shape_config
 from flashdraft.cli.main import app
 from flashdraft.model.drafter import drafter_config
 from flashdraft.train.flops import step_flops
@@ -39,6 +39,11 @@ def test_bench_tiny_reports_throughput_mfu_and_phases(tmp_path):
     _, r = _bench_tiny(tmp_path, 2, "--recompute-logits", "--profile", str(tmp_path / "prof"))
     assert r["settings"]["recompute_logits"] is True  # the option reached the trainer
     assert r["ctx_tok_s"] > 0 and r["draft_pos_s"] > 0 and 0 < r["mfu"] < 1
+    # the target forward's own share of peak: its FLOPs over its phase's time
+    tiny, kept = shape_config("tiny"), r["settings"]["target_layers_run"]
+    target = step_flops(tiny, drafter_config(tiny, 5, None, 3, 16, 511), kept, 128, 8 * 16, 8 * 15)
+    seconds, peak = r["phases_ms"]["target_forward"] / 1000, r["matmul_tflops"] * 1e12
+    assert r["target_forward_mfu"] == pytest.approx(target["target"] / seconds / peak, rel=1e-6)
     phases = {"target_forward", "block_mask", "drafter_forward", "loss_forward", "backward", "optimizer"}
     assert phases <= set(r["phases_ms"])
     # --profile: the trace names each phase, and the ops table gives the matmuls with their shapes
@@ -47,6 +52,14 @@ def test_bench_tiny_reports_throughput_mfu_and_phases(tmp_path):
     assert {f"phase:{p}" for p in phases} <= names
     ops = (tmp_path / "prof" / "ops.txt").read_text()
     assert "aten::mm" in ops and "[[" in ops
+
+
+def test_bench_takes_its_rows_from_the_measured_table_unless_told(tmp_path, monkeypatch):
+    monkeypatch.setitem(DEFAULT_ROWS, "tiny", 3)
+    output, r = _bench_tiny(tmp_path, 1)
+    assert r["rows_per_batch"] == 3 and "3 x 128" in output
+    _, r = _bench_tiny(tmp_path, 1, "--rows-per-batch", "2")
+    assert r["rows_per_batch"] == 2
 
 
 def test_bench_with_an_fp8_target_measures_the_fp8_rate_for_its_mfu(tmp_path):

@@ -88,6 +88,13 @@ SHAPES: dict[str, dict] = {
 }  # fmt: skip
 
 
+# Rows per step when --rows-per-batch is not given: measured on one H200 (docs/results.md, session 19),
+# the most throughput within memory that leaves room for real data: qwen3-8b 1 -> 2 rows 66.3 -> 70.3%
+# MFU (44.8 GiB), llama3-8b 70.1% at 2 (46.3 GiB); the MoE target's grouped expert GEMMs grow with the
+# tokens a step: its forward at 43% of peak at 1 row, 49% at 2, 51% at 4 (81.4 GiB).
+DEFAULT_ROWS = {"qwen3-8b": 2, "llama3-8b": 2, "qwen3-30b-a3b": 4}
+
+
 def shape_config(name: str) -> PretrainedConfig:
     if name not in SHAPES:
         raise ValueError(f"unknown shape {name!r}; choose one of {sorted(SHAPES)}")
@@ -181,6 +188,9 @@ class BenchResult:
     target_busy: float | None = None  # split layouts: as the target ranks reported it
     ranks: list = field(default_factory=list)  # per rank: role, peak memory, start-up, compile
     fp8_matmul_tflops: float | None = None  # with target_fp8: the FP8 rate, measured in the same run
+    # the target forward phase's model FLOPs over its median time, as a fraction of the same rates as mfu
+    # (None where the drafter ranks do not run the target: split layouts)
+    target_forward_mfu: float | None = None
 
 
 def run_bench(
@@ -188,7 +198,7 @@ def run_bench(
     seq_len: int = 3072,
     anchors: int = 512,
     block_size: int = 16,
-    rows_per_batch: int = 1,
+    rows_per_batch: int | None = None,
     steps: int = 10,
     warmup: int = 3,
     drafter_layers: int = 5,
@@ -205,6 +215,7 @@ def run_bench(
     GPU of the world), the others None."""
     t_start = time.perf_counter()
     tcfg = shape_config(shape)
+    rows_per_batch = rows_per_batch or DEFAULT_ROWS.get(shape, 1)
     cfg = resolve_config(
         "default",
         **{
@@ -256,6 +267,11 @@ def run_bench(
     # model FLOPs count every query position computed (n*B per row), as the kernels do
     flops = {k: v * drafters for k, v in micro_batch_flops(trainer.cfg, tcfg, dcfg).items()}
     tflops = flops["total"] / step_s / 1e12
+    phases_ms = {k: statistics.median(p.get(k, 0.0) for p in phases) for k in phases[0]}
+    target_s = phases_ms.get("target_forward", 0.0) / 1000
+    # per drafter rank: the target forward's FLOPs (its FP8 share at the FP8 rate) over its own time
+    target_flops = {"total": flops["target"] / drafters, "fp8": flops["fp8"] / drafters}
+    target_mfu = mfu(target_flops, target_s, peak, fp8_peak) if target_s else None
     return BenchResult(
         shape=shape,
         device=torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
@@ -274,7 +290,8 @@ def run_bench(
         peak_mem_gib=max(x["peak_mem_gib"] for x in ranks),
         startup_s=startup,
         first_step_s=first_step,
-        phases_ms={k: statistics.median(p.get(k, 0.0) for p in phases) for k in phases[0]},
+        phases_ms=phases_ms,
+        target_forward_mfu=target_mfu,
         first_step_phases_ms=first_phases,
         compile_report=trainer.compile_report.line() if trainer.compile_report else "not compiled",
         steps=steps,

@@ -302,7 +302,11 @@ def bench(
     seq_len: int = typer.Option(3072, help="tokens per packed row"),
     anchors: int = typer.Option(512, help="anchors per row"),
     block_size: int = typer.Option(16, help="block size B"),
-    rows_per_batch: int = typer.Option(1, help="rows per step"),
+    rows_per_batch: int | None = typer.Option(
+        None,
+        help="rows per step (default: measured per shape, 2 for qwen3-8b and llama3-8b, 4 for "
+        "qwen3-30b-a3b, else 1)",
+    ),
     drafter_layers: int = typer.Option(5, help="drafter layers"),
     steps: int = typer.Option(10, help="measured steps (median reported)"),
     warmup: int = typer.Option(3, help="warm-up steps (the first compiles)"),
@@ -373,7 +377,10 @@ def bench(
     fp8 = (
         [("FP8 matmul peak TFLOP/s (same run)", f"{r.fp8_matmul_tflops:.1f}")] if r.fp8_matmul_tflops else []
     )
+    tgt = r.target_forward_mfu
+    target = [("target forward, of peak", f"{100 * tgt:.1f}%")] if tgt else []
     rows = [
+        ("rows x tokens a step", f"{r.rows_per_batch} x {r.seq_len}"),
         ("step (median)", f"{r.step_ms:.1f} ms"),
         ("context tokens/s", f"{r.ctx_tok_s:,.0f}"),
         ("draft positions/s", f"{r.draft_pos_s:,.0f}"),
@@ -381,6 +388,7 @@ def bench(
         ("matmul peak TFLOP/s (same run)", f"{r.matmul_tflops:.1f}"),
         *fp8,
         ("MFU", f"{100 * r.mfu:.1f}%"),
+        *target,
         ("peak memory", f"{r.peak_mem_gib:.1f} GiB"),
         ("start-up / first step", f"{r.startup_s:.1f} s / {r.first_step_s:.1f} s"),
         ("compile", r.compile_report),

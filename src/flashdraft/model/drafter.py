@@ -33,6 +33,10 @@ EMBEDDINGS = -1
 
 # Compiled once at module level (design.md): every call site shares one compiled kernel.
 _compiled_flex_attention = torch.compile(flex_attention, dynamic=False)
+# The compiled kernel's backward on CUDA with two pipeline stages instead of torch's three: at the
+# qwen3-8b drafter's shape 3.60 -> 2.97 ms a layer alone, and the two-row step's backward phase
+# 168.4 -> 163.0 ms (one H200, torch 2.11; docs/results.md, sessions 18-19). Gradients are the same.
+CUDA_FLEX_OPTIONS = {"bwd_num_stages": 2}
 
 
 def default_target_layer_ids(num_target_layers: int, num_taps: int) -> list[int]:
@@ -116,8 +120,12 @@ class DFlashAttention(nn.Module):
         v = torch.cat([ctx_kv[1], v_blk], dim=2)
         mask = visibility.mask
         if isinstance(mask, BlockMask):
-            attend = _compiled_flex_attention if visibility.compiled else flex_attention
-            out = attend(q, k, v, block_mask=mask, enable_gqa=self.num_heads != self.num_kv_heads)
+            gqa = self.num_heads != self.num_kv_heads
+            if visibility.compiled:
+                opts = CUDA_FLEX_OPTIONS if q.is_cuda else None
+                out = _compiled_flex_attention(q, k, v, block_mask=mask, enable_gqa=gqa, kernel_options=opts)
+            else:
+                out = flex_attention(q, k, v, block_mask=mask, enable_gqa=gqa)
         else:
             out = F.scaled_dot_product_attention(
                 q, k, v, attn_mask=mask, enable_gqa=self.num_heads != self.num_kv_heads
