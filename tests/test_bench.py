@@ -77,6 +77,36 @@ def test_flop_count_of_the_paper_shape_matches_docs_perf():
     assert 70e12 < f["drafter"] < 76e12
 
 
+@pytest.mark.parametrize(
+    "shape, total, active",
+    # the releases' published counts in billions; gpt-oss's model card counts its active parameters
+    # without the input embedding, Qwen's with it
+    [
+        ("qwen3-8b", 8.19, None),
+        ("llama3-8b", 8.03, None),
+        ("qwen3-30b-a3b", 30.5, 3.3),
+        ("gpt-oss-20b", 20.9, 3.6),
+    ],
+)
+def test_bench_shapes_have_the_published_parameter_counts(shape, total, active):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from flashdraft.train.flops import layer_matmul_params
+
+    config = shape_config(shape)
+    with torch.device("meta"):  # no memory: the shapes are what is checked
+        model = AutoModelForCausalLM.from_config(config)
+    n = sum(p.numel() for p in model.parameters())
+    assert n / 1e9 == pytest.approx(total, rel=0.01)
+    if active is not None:
+        idle = config.num_hidden_layers * (
+            layer_matmul_params(config, active=False) - layer_matmul_params(config)
+        )
+        embedding = model.get_input_embeddings().weight.numel() if shape.startswith("gpt-oss") else 0
+        assert (n - idle - embedding) / 1e9 == pytest.approx(active, rel=0.03)
+
+
 @pytest.mark.slow
 def test_bench_split_layout_sums_drafter_ranks_and_reports_every_rank(tmp_path):
     """`--nproc 3 --layout split:1:2`: one rank serves features, two train; throughput counts both

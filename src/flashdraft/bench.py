@@ -70,6 +70,15 @@ SHAPES: dict[str, dict] = {
                       rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
                                        "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                        "original_max_position_embeddings": 8192}),
+    # gpt-oss-20b: 32 experts of 2,880, 4 per token; sliding-window (128) and full layers alternate,
+    # attention sinks (eager attention: transformers refuses sdpa for it), YaRN RoPE, 201,088-token vocab
+    "gpt-oss-20b": dict(model_type="gpt_oss", hidden_size=2880, intermediate_size=2880, num_hidden_layers=24,
+                        num_attention_heads=64, num_key_value_heads=8, head_dim=64, vocab_size=201088,
+                        num_local_experts=32, num_experts_per_tok=4, sliding_window=128, rms_norm_eps=1e-5,
+                        max_position_embeddings=131072, tie_word_embeddings=False, attention_bias=True,
+                        swiglu_limit=7.0, rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0,
+                        "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                        "original_max_position_embeddings": 4096}),
     # Qwen3-32B, and the targets a sharded target is for (`flashdraft train --plan --target-parallel`)
     "qwen3-32b": dict(_QWEN3, hidden_size=5120, intermediate_size=25600, num_hidden_layers=64,
                       num_attention_heads=64, num_key_value_heads=8, head_dim=128, vocab_size=QWEN3_VOCAB,
