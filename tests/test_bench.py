@@ -54,12 +54,13 @@ def test_bench_tiny_reports_throughput_mfu_and_phases(tmp_path):
     assert "aten::mm" in ops and "[[" in ops
 
 
-def test_bench_takes_its_rows_from_the_measured_table_unless_told(tmp_path, monkeypatch):
+def test_bench_takes_rows_from_the_measured_table_unless_told_and_the_target_attention(tmp_path, monkeypatch):
     monkeypatch.setitem(DEFAULT_ROWS, "tiny", 3)
     output, r = _bench_tiny(tmp_path, 1)
     assert r["rows_per_batch"] == 3 and "3 x 128" in output
-    _, r = _bench_tiny(tmp_path, 1, "--rows-per-batch", "2")
+    _, r = _bench_tiny(tmp_path, 1, "--rows-per-batch", "2", "--target-attention", "eager")
     assert r["rows_per_batch"] == 2
+    assert r["settings"]["target_attention"] == "eager"  # the tiny Qwen3's own choice is sdpa
 
 
 def test_bench_with_an_fp8_target_measures_the_fp8_rate_for_its_mfu(tmp_path):

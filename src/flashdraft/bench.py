@@ -111,13 +111,17 @@ def shape_config(name: str) -> PretrainedConfig:
     return AutoConfig.for_model(fields.pop("model_type"), **fields)
 
 
-def random_target(cfg: PretrainedConfig, device: torch.device, dtype: torch.dtype) -> PreTrainedModel:
-    """Random weights (never zeros: timing on zeros flatters the hardware)."""
+def random_target(
+    cfg: PretrainedConfig, device: torch.device, dtype: torch.dtype, attention: str = "auto"
+) -> PreTrainedModel:
+    """Random weights (never zeros: timing on zeros flatters the hardware). attention: as `load_target`'s,
+    "auto" the model's own choice, any other name required as given."""
     default = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
+    kwargs = {} if attention == "auto" else {"attn_implementation": attention}
     try:
         with torch.device(device):
-            model = AutoModelForCausalLM.from_config(cfg)
+            model = AutoModelForCausalLM.from_config(cfg, **kwargs)
     finally:
         torch.set_default_dtype(default)
     with torch.no_grad():
@@ -139,7 +143,7 @@ def shape_source(shape: str, tcfg: PretrainedConfig) -> RunSource:
     def load(layers, device, attention):
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
         config = tcfg if layers is None else first_layers_config(tcfg, layers)
-        return random_target(config, device, dtype), None
+        return random_target(config, device, dtype, attention), None
 
     def batches(cfg, model, tokenizer, packing):
         return Batches(SyntheticStream(cfg, tcfg.vocab_size), None, {})
@@ -218,6 +222,7 @@ def run_bench(
     layout: str = "colocated",
     target_fp8: bool = False,
     profile: Path | None = None,
+    target_attention: str = "auto",
 ) -> BenchResult | None:
     """One process, or one rank of `flashdraft bench --nproc N` (under torchrun): every rank runs
     this; the main rank returns the result (throughput summed over drafter ranks, MFU over every
@@ -239,6 +244,7 @@ def run_bench(
             "compile": compile,
             "compile_target": compile_target,
             "target_fp8": target_fp8,
+            "target_attention": target_attention,
             "drafter.mask_token_id": QWEN3_MASK_ID if tcfg.vocab_size == QWEN3_VOCAB else tcfg.vocab_size - 1,
         },
     )

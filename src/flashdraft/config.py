@@ -188,8 +188,8 @@ class TrainConfig(_Strict):
     target_fp8: bool = Field(
         False,
         description="the frozen target's decoder-layer linears in FP8 (e4m3, a scale per weight row and per "
-        "token; torch._scaled_mm): the features a drafter trains on come from them. What that costs in "
-        "served tau is not measured yet",
+        "token; torch._scaled_mm): the features a drafter trains on come from them. Measured on SmolLM2: "
+        "0.3-0.4% less served tau at T = 0, 1-2.5% at T = 1 (docs/recipe.md)",
     )
     target_attention: str = Field(
         "auto",

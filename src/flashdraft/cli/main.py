@@ -318,6 +318,9 @@ def bench(
     ),
     layout: str = typer.Option("colocated", help="colocated, or split:T:D (with --nproc T+D)"),
     target_fp8: bool = typer.Option(False, "--target-fp8", help="the target's linears in FP8 (target_fp8)"),
+    target_attention: str = typer.Option(
+        "auto", help="the target's attention: auto (the model's own choice), sdpa, eager, flex_attention, ..."
+    ),
     nproc: int | None = typer.Option(None, help="launch N processes on this machine (torch's launcher)"),
     json_out: Path | None = typer.Option(None, "--json", help="write the result as JSON here"),
     profile: Path | None = typer.Option(
@@ -364,6 +367,7 @@ def bench(
             layout=layout,
             target_fp8=target_fp8,
             profile=profile,
+            target_attention=target_attention,
         )
     except ValueError as e:
         _fail(str(e))
