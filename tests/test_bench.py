@@ -61,6 +61,11 @@ def test_bench_takes_rows_from_the_measured_table_unless_told_and_the_target_att
     _, r = _bench_tiny(tmp_path, 1, "--rows-per-batch", "2", "--target-attention", "eager")
     assert r["rows_per_batch"] == 2
     assert r["settings"]["target_attention"] == "eager"  # the tiny Qwen3's own choice is sdpa
+    # flex_attention has no backward on a CPU: the packing probe says so instead of a traceback
+    out = tmp_path / "flex.json"
+    args = ["bench", "--shape", "tiny", "--seq-len", "128", "--steps", "1", "--device", "cpu"]
+    result = CliRunner().invoke(app, [*args, "--target-attention", "flex_attention", "--json", str(out)])
+    assert result.exit_code != 0 and "packing probe" in result.output and not out.exists()
 
 
 def test_bench_with_an_fp8_target_measures_the_fp8_rate_for_its_mfu(tmp_path):

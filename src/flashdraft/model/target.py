@@ -288,8 +288,15 @@ def choose_packing(model: PreTrainedModel, layer_ids: list[int]) -> str:
     """The first packing under which the documents of a row do not see each other (module docstring),
     probed on the forward that training runs (up to the last of `layer_ids`)."""
     probe = Target(model, layer_ids)
-    if not probe.leaks("positions"):
-        return "positions"
+    try:
+        if not probe.leaks("positions"):
+            return "positions"
+    except NotImplementedError as e:  # flex_attention's backward on a CPU
+        attention = model.config._attn_implementation
+        raise ValueError(
+            f"the packing probe differentiates through the target, which its attention ({attention}) "
+            f"cannot do here: {e}. Choose another target attention, or data.one_document_per_row: true"
+        ) from e
     if probe.mask_kinds() is not None:
         try:
             if not probe.leaks("masks"):
