@@ -214,3 +214,25 @@ def test_the_drafter_rope_is_read_from_every_config_form():
         "rope_type": "default",
         "rope_theta": 1e4,
     }
+
+
+def test_compiled_drafter_layers_share_one_graph_in_training():
+    """The first layer's input (the block embeddings, from the frozen embedding) requires no grad where
+    the later layers' inputs do; a compiled layer guards on that, so without care the first layer
+    compiled a forward and a backward of its own (a cold start's extra seconds on the GPU)."""
+    from torch._dynamo.testing import CompileCounter
+
+    target, drafter = target_and_drafter()
+    batch = packed_batch([[40, 50], [90]], seq_len=96)
+    mb = plan_micro_batch(batch, 10, BLOCK, MASK_ID, GAMMA, torch.Generator().manual_seed(0))
+    blocks = mb.blocks
+    vis = visibility_for(mb, BLOCK, "dense", compiled=False)
+    counter = CompileCounter()
+    torch._dynamo.reset()
+    for layer in drafter.layers:
+        layer.compile(backend=counter, dynamic=False)
+    embeds = target.embed_tokens(blocks.input_ids).detach()
+    hidden = drafter(embeds, blocks.positions, None, vis, target_features(target, batch), batch.position_ids)
+    hidden.sum().backward()
+    assert len(drafter.layers) > 1 and counter.frame_count == 1
+    assert not embeds.requires_grad  # the caller's tensor is left as it was
