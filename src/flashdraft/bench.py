@@ -229,7 +229,7 @@ def run_bench(
     GPU of the world), the others None."""
     t_start = time.perf_counter()
     tcfg = shape_config(shape)
-    rows_per_batch = rows_per_batch or DEFAULT_ROWS.get(shape, 1)
+    rows_per_batch = DEFAULT_ROWS.get(shape, 1) if rows_per_batch is None else rows_per_batch
     cfg = resolve_config(
         "default",
         **{
