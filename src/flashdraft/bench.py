@@ -204,6 +204,7 @@ class BenchResult:
     # the target forward phase's model FLOPs over its median time, as a fraction of the same rates as mfu
     # (None where the drafter ranks do not run the target: split layouts)
     target_forward_mfu: float | None = None
+    compile_seconds: dict = field(default_factory=dict)  # compile_seconds(): where the warm-up's time went
 
 
 def run_bench(
@@ -309,6 +310,7 @@ def run_bench(
         target_forward_mfu=target_mfu,
         first_step_phases_ms=first_phases,
         compile_report=trainer.compile_report.line() if trainer.compile_report else "not compiled",
+        compile_seconds=compile_seconds(),
         steps=steps,
         settings={
             "recompute_logits": trainer.cfg.recompute_logits,
@@ -328,6 +330,16 @@ def run_bench(
         target_busy=r["target_busy"],
         ranks=ranks,
     )
+
+
+def compile_seconds(top: int = 12) -> dict[str, float]:
+    """The largest of dynamo's and inductor's own timers in this process (what
+    `torch._dynamo.utils.compile_times` prints), summed per timer: where a cold first step's seconds went.
+    The timers nest (a graph's whole compile holds its code generation), so they do not add up."""
+    from torch._dynamo.utils import compilation_time_metrics
+
+    sums = {name: sum(times) for name, times in compilation_time_metrics.items()}
+    return {k: round(v, 2) for k, v in sorted(sums.items(), key=lambda kv: -kv[1])[:top]}
 
 
 def _experts(cfg) -> str | None:

@@ -7,6 +7,9 @@
   fresh machine resuming a run starts warm.
 - After a warm-up step the `fail_on_recompile` stance is set: a recompile (a changed shape, a
   failed guard) stops the run with a clear message instead of quietly running slower code.
+- Inductor's pool of kernel-compiling processes is started before the target loads
+  (`start_compile_workers`): inductor starts it at the first compile, and compiles every kernel in the
+  main process, one at a time, until the pool answers.
 """
 
 from __future__ import annotations
@@ -54,6 +57,16 @@ def use_cache_dir(cache_dir: Path | None, device: torch.device) -> Path:
     return path
 
 
+def start_compile_workers() -> None:
+    """Start inductor's kernel-compile worker processes now, in the background (they import torch and
+    triton, seconds each), so they are ready when the first graph compiles. Inductor does the same at its
+    first compile (`maybe_warm_pool`, which honours TORCH_WARM_POOL=0); this calls it earlier. Only
+    triton kernels use the pool: with no triton (a CPU build) it does nothing."""
+    from torch._inductor.async_compile import maybe_warm_pool
+
+    maybe_warm_pool()
+
+
 def load_artifacts(ckpt_dir: Path | None) -> bool:
     path = Path(ckpt_dir) / ARTIFACTS if ckpt_dir else None
     if path is None or not path.exists():
@@ -76,6 +89,7 @@ def artifacts_writer():
 @dataclass
 class CompileReport:
     seconds: float
+    graphs: int  # dynamo frames compiled by the warm-up
     cache_hits: int
     cache_misses: int
     artifacts_loaded: bool
@@ -84,29 +98,31 @@ class CompileReport:
     def line(self) -> str:
         loaded = ", portable artifacts loaded" if self.artifacts_loaded else ""
         return (
-            f"compile: warm-up {self.seconds:.1f} s, inductor cache {self.cache_hits} hits / "
-            f"{self.cache_misses} misses ({self.cache_dir}{loaded})"
+            f"compile: warm-up {self.seconds:.1f} s, {self.graphs} graphs, inductor cache "
+            f"{self.cache_hits} hits / {self.cache_misses} misses ({self.cache_dir}{loaded})"
         )
 
 
-def cache_counters() -> tuple[int, int]:
+def cache_counters() -> tuple[int, int, int]:
+    """(graphs compiled, inductor cache hits, misses) so far in this process."""
     from torch._dynamo.utils import counters
 
     inductor = counters["inductor"]
-    return int(inductor["fxgraph_cache_hit"]), int(inductor["fxgraph_cache_miss"])
+    graphs = int(counters["stats"]["unique_graphs"])
+    return graphs, int(inductor["fxgraph_cache_hit"]), int(inductor["fxgraph_cache_miss"])
 
 
 def warm_up(step_fn, cache_dir: Path, artifacts_loaded: bool) -> CompileReport:
     """Run `step_fn` once (it compiles everything a step uses), then forbid recompiles."""
-    hits0, misses0 = cache_counters()
+    before = cache_counters()
     t0 = time.perf_counter()
     step_fn()
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     seconds = time.perf_counter() - t0
-    hits, misses = cache_counters()
+    graphs, hits, misses = (a - b for a, b in zip(cache_counters(), before, strict=True))
     torch.compiler.set_stance("fail_on_recompile")
-    return CompileReport(seconds, hits - hits0, misses - misses0, artifacts_loaded, str(cache_dir))
+    return CompileReport(seconds, graphs, hits, misses, artifacts_loaded, str(cache_dir))
 
 
 @contextlib.contextmanager

@@ -54,6 +54,7 @@ from flashdraft.train.blocks import default_gamma
 from flashdraft.train.compile import (
     recompiles_are_errors,
     reset_stance,
+    start_compile_workers,
     use_cache_dir,
     warm_up,
 )
@@ -211,6 +212,11 @@ def with_init_from(cfg: TrainConfig, target_config) -> TrainConfig:
     return cfg.model_copy(update={"drafter": cfg.drafter.model_copy(update=shape)})
 
 
+def compiles(cfg: TrainConfig, device: torch.device) -> bool:
+    """Whether a run compiles: `cfg.compile`, by default on a GPU."""
+    return cfg.compile if cfg.compile is not None else device.type == "cuda"
+
+
 def build_drafter(cfg: TrainConfig, model, tokenizer, device, target_config=None) -> DFlashDrafter:
     """A drafter for `model` (`target_config`: the whole target's, when the model holds only its first
     layers), initialised from the seed."""
@@ -360,6 +366,8 @@ def build(config: RunConfig, source: RunSource | None = None) -> Trainer:
     if cfg.wandb and importlib.util.find_spec("wandb") is None:
         raise ValueError("--wandb needs the wandb package: pip install 'flashdraft[wandb]'")
     topo = init_topology(run.parsed_layout, run.device, run.backend, run.target_parallel)
+    if compiles(cfg, topo.device):
+        start_compile_workers()  # they start while the target loads
     out = Path(out_dir)
     existing = [n for n in ("config.yaml", "checkpoints") if (out / n).exists()]
     if existing and not resume:
@@ -465,7 +473,7 @@ class Trainer:
         self.total_steps = total_steps
         self.out = Path(out_dir) if out_dir else None
         self.meta = meta or {}
-        self.compiled = cfg.compile if cfg.compile is not None else self.device.type == "cuda"
+        self.compiled = compiles(cfg, self.device)
         self.attention = resolve_attention(cfg.attention, self.device, drafter.config.head_dim)
         self.spec = StepSpec(
             Kernels(
