@@ -1,5 +1,6 @@
 """Compiled training: warm-up, persistent cache, and a recompile after warm-up is an error."""
 
+import dataclasses
 import os
 
 import pytest
@@ -89,3 +90,22 @@ def test_a_compiled_target_computes_the_eager_features_without_recompiling(
             tmp_path / "run2",
             device="cpu",
         )
+
+
+@pytest.mark.parametrize("compile", [True, False])
+def test_the_compile_workers_start_before_the_target_loads_when_the_run_compiles(monkeypatch, compile):
+    import flashdraft.train.trainer as trainer_module
+    from flashdraft.bench import _UNUSED_OUT, shape_config, shape_source
+    from flashdraft.config import run_config
+
+    events = []
+    monkeypatch.setattr(trainer_module, "start_compile_workers", lambda: events.append("workers"))
+    source = shape_source("tiny", shape_config("tiny"))
+    load = source.load_target
+    source = dataclasses.replace(source, load_target=lambda *a: events.append("target") or load(*a))
+    over = {"data.seq_len": 128, "num_anchors": 8, "max_steps": 1, "compile": compile}
+    drafter = {"drafter.num_layers": 1, "drafter.num_taps": 2, "drafter.mask_token_id": 511}
+    cfg = resolve_config("default", **over, **drafter)
+    trainer = trainer_module.build(run_config(cfg, target="shape:tiny", data="-", out=_UNUSED_OUT), source)
+    trainer.close()
+    assert events == (["workers", "target"] if compile else ["target"])
