@@ -89,7 +89,7 @@ def artifacts_writer():
 @dataclass
 class CompileReport:
     seconds: float
-    graphs: int  # dynamo frames compiled by the warm-up
+    graphs: int  # graphs dynamo compiled during the warm-up
     cache_hits: int
     cache_misses: int
     artifacts_loaded: bool
