@@ -470,3 +470,41 @@ def test_a_run_loads_the_target_layers_it_runs(tmp_path, tiny_target_dir, tiny_t
     result = trainer.run()
     assert json.loads((result.checkpoint / "config.json").read_text())["num_target_layers"] == 6
     trainer.close()
+
+
+@pytest.mark.filterwarnings(r"ignore:Seems like `optimizer.step\(\)` has been overridden")
+def test_a_step_clips_the_gradients_as_clip_grad_norm_does(tmp_path, tiny_target_dir, token_data_dir):
+    """The trainer clips inside fused AdamW (its grad_scale): two steps whose gradients the clip scales
+    down update the weights as clip_grad_norm_ followed by AdamW does. (Adam's first step hardly depends
+    on the gradient's scale; the second does, through the moments of both.)"""
+    from flashdraft.config import resolve_config
+    from flashdraft.train.trainer import build_trainer
+
+    over = {"max_steps": 2, "drafter.num_layers": 1, "optim.grad_clip": 1e-3, "optim.warmup_ratio": 0.0}
+    cfg = resolve_config("tiny_cpu", **over)
+    trainer = build_trainer(cfg, tiny_target_dir, token_data_dir, tmp_path / "run", device="cpu")
+    params = list(trainer.drafter.parameters())
+    reference = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    group = {
+        k: v for k, v in trainer.optimizer.param_groups[0].items() if k in ("betas", "eps", "weight_decay")
+    }
+    ref_optimizer = torch.optim.AdamW(reference, lr=1.0, **group)
+    ref_norms = []
+    trainer_step = trainer.optimizer.step
+
+    def both_steps():
+        for r, p in zip(reference, params, strict=True):
+            r.grad = p.grad.clone()
+        ref_norms.append(torch.nn.utils.clip_grad_norm_(reference, cfg.optim.grad_clip))
+        ref_optimizer.param_groups[0]["lr"] = trainer.optimizer.param_groups[0]["lr"]
+        assert ref_optimizer.param_groups[0]["lr"] > 0
+        ref_optimizer.step()
+        trainer_step()
+
+    trainer.optimizer.step = both_steps
+    norms = [trainer.train_step().grad_norm for _ in range(2)]
+    assert all(n > 100 * cfg.optim.grad_clip for n in ref_norms)  # the clip binds
+    torch.testing.assert_close(torch.stack(norms), torch.stack(ref_norms))
+    for r, p in zip(reference, params, strict=True):
+        torch.testing.assert_close(p.detach(), r.detach(), rtol=1e-5, atol=1e-7)
+    trainer.close()

@@ -32,7 +32,7 @@ from flashdraft.config import RunConfig, TrainConfig, run_config, save_config
 from flashdraft.data.packing import MicroBatchStream, PackedLoader, load_token_dataset
 from flashdraft.distributed.exchange import MessageShape, RemoteFeatures, serve_features
 from flashdraft.distributed.parallel import (
-    clip_grad_norm,
+    clip_divisor,
     gradient_sync,
     parallelize,
     sharding_line,
@@ -512,7 +512,7 @@ class Trainer:
             lr=cfg.optim.lr,
             betas=cfg.optim.betas,
             weight_decay=cfg.optim.weight_decay,
-            fused=True,  # fused AdamW skips a step on device when found_inf is set
+            fused=True,  # on the device: skips a step when found_inf is set, clips by grad_scale
         )
         warmup = round(cfg.optim.warmup_ratio * total_steps)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -593,7 +593,10 @@ class Trainer:
                     (out.weighted_ce * scale / weight_sum).backward()
             stats.add(out, mb)
         with timer("optimizer"):
-            stats.grad_norm = clip_grad_norm(self.drafter.parameters(), cfg.optim.grad_clip)
+            # clipped inside fused AdamW's own kernel: it divides the gradients by its grad_scale
+            stats.grad_norm, self.optimizer.grad_scale = clip_divisor(
+                self.drafter.parameters(), cfg.optim.grad_clip
+            )
             # a non-finite loss or gradient skips the update on the device, with no host sync;
             # the host reads the count at log and save steps
             bad = ~torch.isfinite(stats.grad_norm)
