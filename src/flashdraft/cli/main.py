@@ -296,8 +296,8 @@ def demo(
 def bench(
     shape: str = typer.Option(
         "qwen3-8b",
-        help="target shape: tiny, proof-95m, qwen3-0.6b, qwen3-4b, qwen3-8b, qwen3-30b-a3b (MoE), llama3-8b, "
-        "gpt-oss-20b (MoE), qwen3-32b, llama3-70b, qwen3-235b-a22b (MoE)",
+        help="target shape: tiny, proof-95m, smollm2-135m, qwen3-0.6b, qwen3-4b, qwen3-8b, qwen3-30b-a3b "
+        "(MoE), llama3-8b, gpt-oss-20b (MoE), qwen3-32b, llama3-70b, qwen3-235b-a22b (MoE)",
     ),
     seq_len: int = typer.Option(3072, help="tokens per packed row"),
     anchors: int = typer.Option(512, help="anchors per row"),
@@ -308,6 +308,9 @@ def bench(
         "qwen3-30b-a3b, else 1)",
     ),
     drafter_layers: int = typer.Option(5, help="drafter layers"),
+    documents: int = typer.Option(
+        1, help="documents packed in a row (several: the target keeps them apart, as with real data)"
+    ),
     steps: int = typer.Option(10, help="measured steps (median reported)"),
     warmup: int = typer.Option(3, help="warm-up steps (the first compiles)"),
     device: str | None = typer.Option(None, help="cpu or cuda (default: cuda when visible)"),
@@ -368,6 +371,7 @@ def bench(
             target_fp8=target_fp8,
             profile=profile,
             target_attention=target_attention,
+            documents=documents,
         )
     except ValueError as e:
         _fail(str(e))
@@ -384,7 +388,7 @@ def bench(
     tgt = r.target_forward_mfu
     target = [("target forward, of peak", f"{100 * tgt:.1f}%")] if tgt else []
     rows = [
-        ("rows x tokens a step", f"{r.rows_per_batch} x {r.seq_len}"),
+        ("rows x tokens a step", f"{r.rows_per_batch} x {r.seq_len}, {r.documents} documents a row"),
         ("step (median)", f"{r.step_ms:.1f} ms"),
         ("context tokens/s", f"{r.ctx_tok_s:,.0f}"),
         ("draft positions/s", f"{r.draft_pos_s:,.0f}"),

@@ -91,22 +91,31 @@ def mean_keys(c, layer: int, seq_len: int) -> float:
 
 
 def step_flops(
-    target_cfg, drafter_cfg, kept_layers: int, seq_len: int, positions: int, head_positions: int
+    target_cfg,
+    drafter_cfg,
+    kept_layers: int,
+    seq_len: int,
+    positions: int,
+    head_positions: int,
+    document: int | None = None,
 ) -> dict:
     """Model FLOPs of one row (docs/perf.md): target forward to the last tapped layer, drafter
     forward + backward over `positions` query positions, lm_head forward + input gradient, and the
     per-context-token fc and context K/V (forward + backward). `head_positions`: query positions
-    that go through the lm_head (slot 0 of each block does not). A mixture-of-experts target counts
-    the experts each token runs."""
+    that go through the lm_head (slot 0 of each block does not). `document`: the length of the
+    documents packed in the row (default the whole row): attention runs within a document, so a
+    query's keys are counted in its own document. A mixture-of-experts target counts the experts
+    each token runs."""
     c, dc = target_cfg.get_text_config(), drafter_cfg
+    span = document or seq_len
     qd = c.num_attention_heads * (getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads)
     per_layer = 2 * layer_matmul_params(c)
-    target = seq_len * sum(per_layer + 4 * mean_keys(c, i, seq_len) * qd for i in range(kept_layers))
+    target = seq_len * sum(per_layer + 4 * mean_keys(c, i, span) * qd for i in range(kept_layers))
     draft_qd = dc.num_attention_heads * dc.head_dim
     per_pos = 6 * layer_matmul_params(dc) * dc.num_hidden_layers
     kinds = getattr(dc, "layer_types", None) or ["full_attention"] * dc.num_hidden_layers
-    window = getattr(dc, "sliding_window", None) or seq_len
-    keys = [min(window, seq_len / 2) if k == "sliding_attention" else seq_len / 2 for k in kinds]
+    window = getattr(dc, "sliding_window", None) or span
+    keys = [min(window, span / 2) if k == "sliding_attention" else span / 2 for k in kinds]
     per_pos += 3 * 4 * draft_qd * sum(keys)  # keys a query sees, on average: half the row, or the window
     head = head_positions * 4 * c.hidden_size * c.vocab_size
     n_taps = len(dc.target_layer_ids)
@@ -116,10 +125,11 @@ def step_flops(
     return {"target": target, "drafter": drafter, "total": target + drafter}
 
 
-def micro_batch_flops(cfg, target_cfg, drafter_cfg) -> dict:
+def micro_batch_flops(cfg, target_cfg, drafter_cfg, documents: int = 1) -> dict:
     """Model FLOPs of one micro-batch of a run (`step_flops` of a row, times its rows): every query
     position computed (num_anchors x block_size per row) as the kernels do. The trainer, the bench and
-    the plan all count with this."""
+    the plan all count with this. `documents`: per row, of equal length (the bench's synthetic rows);
+    a run on real data counts each row as one document, which overstates its attention FLOPs."""
     block, t = drafter_cfg.block_size, target_cfg.get_text_config()
     # distillation runs every target layer, and the target's lm_head at each label position
     kept = t.num_hidden_layers if cfg.distill else max(drafter_cfg.target_layer_ids) + 1
@@ -130,6 +140,7 @@ def micro_batch_flops(cfg, target_cfg, drafter_cfg) -> dict:
         cfg.data.seq_len,
         cfg.num_anchors * block,
         cfg.num_anchors * (block - 1),
+        cfg.data.seq_len // documents,
     )
     if cfg.distill:
         row["target"] += cfg.num_anchors * (block - 1) * 2 * t.hidden_size * t.vocab_size
