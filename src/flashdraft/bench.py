@@ -172,12 +172,10 @@ class SyntheticStream:
                 f"documents: 1 to {self.seq_len // 32} a row of {self.seq_len} tokens, not {documents}"
             )
         length = self.seq_len // documents
-        self.doc_ids = (torch.arange(self.seq_len) // length).clamp(max=documents - 1)
-        starts = self.doc_ids * length
-        self.positions = torch.arange(self.seq_len) - starts
-        self.prompt = self.positions < (
-            torch.where(self.doc_ids == documents - 1, self.seq_len - starts, length) // 10
-        )
+        lengths = [length] * (documents - 1) + [self.seq_len - length * (documents - 1)]
+        self.doc_ids = torch.repeat_interleave(torch.arange(documents), torch.tensor(lengths))
+        self.positions = torch.cat([torch.arange(n) for n in lengths])
+        self.prompt = torch.cat([torch.arange(n) < n // 10 for n in lengths])
 
     def __len__(self) -> int:
         return 2**31  # endless: the run's length is its max_steps

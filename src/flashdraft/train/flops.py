@@ -116,7 +116,7 @@ def step_flops(
     kinds = getattr(dc, "layer_types", None) or ["full_attention"] * dc.num_hidden_layers
     window = getattr(dc, "sliding_window", None) or span
     keys = [min(window, span / 2) if k == "sliding_attention" else span / 2 for k in kinds]
-    per_pos += 3 * 4 * draft_qd * sum(keys)  # keys a query sees, on average: half the row, or the window
+    per_pos += 3 * 4 * draft_qd * sum(keys)  # keys a query sees, on average: half its document, or the window
     head = head_positions * 4 * c.hidden_size * c.vocab_size
     n_taps = len(dc.target_layer_ids)
     kv = 2 * c.hidden_size * dc.num_key_value_heads * dc.head_dim
