@@ -47,7 +47,10 @@ PY
     if ! python3 -c "$stages" 2>/dev/null; then
       python3 scripts/smollm2_proof.py --out "$PROOF" --call-started "$started" "$@" --stop-after prompts > "$LOGS/call${n}p.log" 2>&1 || exit 4
     fi
-    python3 scripts/smollm2_proof.py --out "$PROOF" --call-started "$started" "$@" > "$LOGS/call$n.log" 2>&1
+    # killed before the device's 600 s limit (an eval or the reference running over its estimate), so
+    # that the logs are still packed; the next call goes on from the stage it cut
+    timeout -s KILL $((588 - $(date +%s) + started)) \
+      python3 scripts/smollm2_proof.py --out "$PROOF" --call-started "$started" "$@" > "$LOGS/call$n.log" 2>&1
     rc=$?
     grep -v "Loading weights\|it/s\]\|examples/s\]" "$LOGS/call$n.log" | tail -40
     tar czf "${OUT:-/tmp}/proof_logs.tgz" -C /root/keep logs proof/summary.json proof/run/metrics.jsonl proof/eval 2>/dev/null

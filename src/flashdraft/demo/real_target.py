@@ -18,7 +18,8 @@ Stages, each written under OUT and skipped when a later run finds its output com
    `drafter_minutes` the run is planned for that long and trained in slices (`run(until=...)`), each
    call resuming the last one's checkpoint, until it is done;
 6. eval: `flashdraft eval`'s report (DFlash, n-gram, plain decoding) at T = 0 (and T = 1) on HumanEval
-   and on the held-out prompts;
+   and on the held-out prompts; a report starts only when the call has time left for it (the longest one
+   timed so far, or the worst case before any), else the next call goes on from it;
 7. reference (GPU scale): the drafter exported to the z-lab layout and decoded by the reference `dflash`
    package on the first HumanEval prompts, next to our tau on each.
 The summary names every stage's seconds, the drafter's steps and training tokens, and every tau. The
@@ -298,11 +299,12 @@ def run_real_target(
 
     sets = {"humaneval": humaneval_prompts()[: scale.humaneval], "held_out": held}
     if todo("drafter"):
-        evals_later = stop_after not in (None, "eval", "reference")
-        cycles = sum(len(r) for r in sets.values()) * scale.eval_tokens * len(scale.temperatures)
-        cycles += scale.reference_prompts * scale.eval_tokens  # its DFlash, at T = 0
-        # plain, DFlash and n-gram at one token a cycle (the worst case), and the loads
-        eval_s = 0 if evals_later else cycles * (summary["decode_step_s"] + 2 * summary["verify_s"]) + 30
+        # a drafter trained over several calls takes all of each call it needs; the evals then start
+        # in what is left and go on in the next call
+        evals_later = stop_after not in (None, "eval", "reference") or scale.drafter_minutes is not None
+        cycles = sum(len(r) for r in sets.values()) * len(scale.temperatures)
+        cycles += scale.reference_prompts  # its DFlash, at T = 0
+        eval_s = 0 if evals_later else report_estimate(summary, scale, cycles)
         settings = drafter_settings(scale, tokenizer)
         if "drafter_plan" not in summary:
             summary["drafter_plan"] = _calibrate(scale, settings, target_dir, data_dir, out)
@@ -351,19 +353,34 @@ def run_real_target(
 
     if todo("eval"):
         evals = summary.setdefault("eval", {})
+        report_s = summary.setdefault("eval_report_s", {})
         for name, records in sets.items():
             for temperature in scale.temperatures:
-                path = out / "eval" / f"{name}_t{temperature:g}.json"
+                key = f"{name}_t{temperature:g}"
+                path = out / "eval" / f"{key}.json"
                 if not path.is_file():  # a call cut short keeps the reports it finished
+                    need = max(report_s.values(), default=report_estimate(summary, scale, len(records)))
+                    if budget - clock.since_start() < need:
+                        clock.lap("eval")
+                        seconds["eval_s"] = round(seconds.get("eval_s", 0) + clock.laps["eval"], 1)
+                        summary["wall_s"] = round(sum(seconds.values()), 1)
+                        _write_lines(summary_path, [summary])
+                        left = budget - clock.since_start()
+                        console.print(
+                            f"the evals go on at {key} in the next call: {need:.0f} s needed, {left:.0f} left"
+                        )
+                        return summary
+                    started = time.time()
                     report = compare_methods(
                         target_dir, summary["checkpoint"], [r["messages"] for r in records],
                         scale.eval_tokens, temperature, device=scale.device, cuda_graphs=scale.cuda_graphs,
                     )  # fmt: skip
                     write_report(report, path)
+                    report_s[key] = round(time.time() - started, 1)
                 report = json.loads(path.read_text())
                 console.print(f"[bold]{name}, T = {temperature:g}[/]")
                 print_table(report, console)
-                evals[f"{name}_t{temperature:g}"] = eval_row(report)
+                evals[key] = eval_row(report)
         if done("eval"):
             return summary
 
@@ -399,6 +416,14 @@ def _calibrate(scale: RealScale, settings: dict, target_dir: Path, data_dir: Pat
     available = len(probe.stream)
     probe.close()
     return {"step_s": step_s, "startup_s": startup_s, "available": available}
+
+
+def report_estimate(summary: dict, scale: RealScale, prompts: int) -> float:
+    """Seconds an eval of `prompts` prompts may take before one has been timed: plain decoding, DFlash
+    and n-gram at one token a cycle (the worst case), at the decoding step and verify forward timed in
+    the prompts stage, and the loads."""
+    cycles = prompts * scale.eval_tokens
+    return cycles * (summary["decode_step_s"] + 2 * summary["verify_s"]) + 30
 
 
 def _synchronize() -> None:
