@@ -3,7 +3,8 @@
 #   call 1 (carry .whl .carry1):  bash scripts/smollm2_gpu.sh keep
 #   call 2.. (carry .whl .carry2, each right after the last: a warm machine goes back after 30 s idle):
 #                                 bash scripts/smollm2_gpu.sh run [scripts/smollm2_proof.py options]
-#   after the regenerate stage:   bash scripts/smollm2_gpu.sh pack   -> $OUT/proofdata.tgz (about 11 MB)
+#   after the regenerate stage:   bash scripts/smollm2_gpu.sh pack   -> $OUT/proofdata.tgz (about 11 MB;
+#                                 `run` does it by itself in the call that finishes regenerating)
 #   recipe variants (call 2..):   bash scripts/smollm2_gpu.sh compare --steps 1000 --variant today \
 #                                   --variant gamma:position_weights=gamma   (then `compare` alone, until done)
 # A later session that copies that file to .carry2/proofdata.tgz starts its proof from those prompts and
@@ -54,6 +55,12 @@ PY
     rc=$?
     grep -v "Loading weights\|it/s\]\|examples/s\]" "$LOGS/call$n.log" | tail -40
     tar czf "${OUT:-/tmp}/proof_logs.tgz" -C /root/keep logs proof/summary.json proof/run/metrics.jsonl proof/eval 2>/dev/null
+    # the prompts and answers come back once (about 11 MB): a run that loses its machine starts again
+    # from them (copied to .carry2/proofdata.tgz) instead of synthesizing and regenerating again
+    answered="import json, sys; sys.exit('regenerate' not in json.load(open('$PROOF/summary.json'))['stages'])"
+    if [ ! -f /root/keep/proofdata.sent ] && python3 -c "$answered" 2>/dev/null; then
+      bash scripts/smollm2_gpu.sh pack && touch /root/keep/proofdata.sent
+    fi
     exit $rc ;;
   compare)
     # recipe variants on the proof's data (scripts/compare_recipes.py, its options after `compare`); the

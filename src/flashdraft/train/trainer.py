@@ -647,6 +647,8 @@ class Trainer:
         if not self.topo.is_drafter:
             self.serve(until)
             return None
+        if self.device.type == "cuda":  # mem_gib is this run's peak, not that of what the process did first
+            torch.cuda.reset_peak_memory_stats()
         try:
             return self._run(progress, until)
         finally:
