@@ -227,13 +227,17 @@ def run_real_target(
     seconds = summary.setdefault("seconds", {})
     budget, clock = 60 * budget_minutes, StageClock()
 
-    def done(stage: str, **results) -> bool:
-        """Record a finished stage; True when the call stops here."""
+    def record(stage: str, **results) -> None:
+        """Add this call's seconds of `stage` and `results` to the summary, and write it."""
         clock.lap(stage)
         seconds[f"{stage}_s"] = round(seconds.get(f"{stage}_s", 0) + clock.laps[stage], 1)
-        summary.update(results, stages=[*summary.get("stages", []), stage])
+        summary.update(results)
         summary["wall_s"] = round(sum(seconds.values()), 1)
         _write_lines(summary_path, [summary])
+
+    def done(stage: str, **results) -> bool:
+        """Record a finished stage; True when the call stops here."""
+        record(stage, **results, stages=[*summary.get("stages", []), stage])
         return stage == stop_after
 
     def todo(stage: str) -> bool:
@@ -342,10 +346,7 @@ def run_real_target(
             "eval_planned_s": round(eval_s),
         }
         if result.steps < steps:  # the rest in the next call, resumed from this checkpoint
-            clock.lap("drafter")
-            seconds["drafter_s"] = round(seconds.get("drafter_s", 0) + clock.laps["drafter"], 1)
-            summary.update(drafter, wall_s=round(sum(seconds.values()), 1))
-            _write_lines(summary_path, [summary])
+            record("drafter", **drafter)
             console.print(f"the drafter goes on from step {result.steps} in the next call (same command)")
             return summary
         if done("drafter", **drafter):
@@ -364,10 +365,7 @@ def run_real_target(
                     # step and 330-355 ms a verify, where a report decodes at about 3.5 ms a token)
                     need = max(report_s.values(), default=0)
                     if budget - clock.since_start() < need:
-                        clock.lap("eval")
-                        seconds["eval_s"] = round(seconds.get("eval_s", 0) + clock.laps["eval"], 1)
-                        summary["wall_s"] = round(sum(seconds.values()), 1)
-                        _write_lines(summary_path, [summary])
+                        record("eval")
                         left = budget - clock.since_start()
                         console.print(
                             f"the evals go on at {key} in the next call: {need:.0f} s needed, {left:.0f} left"
