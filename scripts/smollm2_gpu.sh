@@ -40,8 +40,12 @@ summary = json.load(open(path))
 kept = [s for s in summary["stages"] if s in ("target", "prompts", "regenerate")]
 if kept != ["target", "prompts", "regenerate"]:
     sys.exit(f"{path}: the packed proof lacks a data stage (stages {summary['stages']})")
-summary["stages"] = kept
-summary["seconds"] = {k: v for k, v in summary["seconds"].items() if k[:-2] in kept}
+# the data stages' results only: the scale (its --drafter-minutes, --humaneval, --train) and the drafter's
+# plan come from this call's options, as in a new proof
+data = ("synthesis", "decode_step_s", "verify_s", "answered")
+summary = {"stages": kept, "seconds": {k: v for k, v in summary["seconds"].items() if k[:-2] in kept}} | {
+    k: summary[k] for k in data if k in summary
+}
 json.dump(summary, open(path, "w"))
 print("proof seeded from .carry2/proofdata.tgz: prompts and answers kept, prepare runs again")
 PY
@@ -64,6 +68,16 @@ PY
     answered="import json, sys; sys.exit('regenerate' not in json.load(open('$PROOF/summary.json'))['stages'])"
     if [ ! -f /root/keep/proofdata.sent ] && python3 -c "$answered" 2>/dev/null; then
       bash scripts/smollm2_gpu.sh pack && touch /root/keep/proofdata.sent
+    fi
+    # the trained drafter's weights come back once (bf16, about 25 MB, without the optimizer state and
+    # compile cache), in parts of 15 MiB (a file back from the device is at most 16 MiB): its tau can still
+    # be measured, on any machine, when the machine that trained it is gone.
+    # Here: cat drafter.tgz.part-* | tar xz
+    trained="import json, sys; s = json.load(open('$PROOF/summary.json')); sys.exit('drafter' not in s['stages'])"
+    if [ ! -f /root/keep/drafter.sent ] && python3 -c "$trained" 2>/dev/null; then
+      ckpt=$(python3 -c "import json; print(json.load(open('$PROOF/summary.json'))['checkpoint'])")
+      tar czf - -C "$(dirname "$ckpt")" --exclude trainer_state.pt --exclude compile_cache.bin "$(basename "$ckpt")" \
+        | split -b 15M -d - "${OUT:-/tmp}/drafter.tgz.part-" && touch /root/keep/drafter.sent
     fi
     exit $rc ;;
   compare)
