@@ -5,6 +5,8 @@
 #                                 bash scripts/smollm2_gpu.sh run [scripts/smollm2_proof.py options]
 #   after the regenerate stage:   bash scripts/smollm2_gpu.sh pack   -> $OUT/proofdata.tgz (about 11 MB;
 #                                 `run` does it by itself in the call that finishes regenerating)
+#   after the drafter stage:      `run` returns its weights once, $OUT/drafter.tgz.part-00, -01 (15 MiB each
+#                                 at most; here `cat drafter.tgz.part-* | tar xz` gives the checkpoint)
 #   recipe variants (call 2..):   bash scripts/smollm2_gpu.sh compare --steps 1000 --variant today \
 #                                   --variant gamma:position_weights=gamma   (then `compare` alone, until done)
 # A later session that copies that file to .carry2/proofdata.tgz starts its proof from those prompts and
