@@ -20,6 +20,9 @@ set -uo pipefail
 started=${CALL_STARTED:-$(date +%s)}  # --minutes is the whole call's (from $CALL_STARTED when set: a call that ran other work first)
 cd "$(dirname "$0")/.."
 SITE=/root/keep/site PROOF=/root/keep/proof LOGS=/root/keep/logs
+finished() {  # whether the proof's summary lists stage $1 as done
+  python3 -c "import json, sys; sys.exit('$1' not in json.load(open('$PROOF/summary.json')).get('stages', []))" 2>/dev/null
+}
 case "${1:-}" in
   keep)
     bash scripts/carry_smollm2.sh keep || exit 3
@@ -54,8 +57,7 @@ PY
     fi
     mkdir -p "$LOGS"
     n=$(ls "$LOGS" | wc -l)
-    stages="import json, sys; sys.exit('prompts' not in json.load(open('$PROOF/summary.json')).get('stages', []))"
-    if ! python3 -c "$stages" 2>/dev/null; then
+    if ! finished prompts; then
       python3 scripts/smollm2_proof.py --out "$PROOF" --call-started "$started" "$@" --stop-after prompts > "$LOGS/call${n}p.log" 2>&1 || exit 4
     fi
     # killed before the device's 600 s limit (an eval or the reference running over its estimate), so
@@ -67,16 +69,14 @@ PY
     tar czf "${OUT:-/tmp}/proof_logs.tgz" -C /root/keep logs proof/summary.json proof/run/metrics.jsonl proof/eval 2>/dev/null
     # the prompts and answers come back once (about 11 MB): a run that loses its machine starts again
     # from them (copied to .carry2/proofdata.tgz) instead of synthesizing and regenerating again
-    answered="import json, sys; sys.exit('regenerate' not in json.load(open('$PROOF/summary.json'))['stages'])"
-    if [ ! -f /root/keep/proofdata.sent ] && python3 -c "$answered" 2>/dev/null; then
+    if [ ! -f /root/keep/proofdata.sent ] && finished regenerate; then
       bash scripts/smollm2_gpu.sh pack && touch /root/keep/proofdata.sent
     fi
     # the trained drafter's weights come back once (bf16, about 25 MB, without the optimizer state and
     # compile cache), in parts of 15 MiB (a file back from the device is at most 16 MiB): its tau can still
     # be measured, on any machine, when the machine that trained it is gone.
     # Here: cat drafter.tgz.part-* | tar xz
-    trained="import json, sys; s = json.load(open('$PROOF/summary.json')); sys.exit('drafter' not in s['stages'])"
-    if [ ! -f /root/keep/drafter.sent ] && python3 -c "$trained" 2>/dev/null; then
+    if [ ! -f /root/keep/drafter.sent ] && finished drafter; then
       ckpt=$(python3 -c "import json; print(json.load(open('$PROOF/summary.json'))['checkpoint'])")
       tar czf - -C "$(dirname "$ckpt")" --exclude trainer_state.pt --exclude compile_cache.bin "$(basename "$ckpt")" \
         | split -b 15M -d - "${OUT:-/tmp}/drafter.tgz.part-" && touch /root/keep/drafter.sent
