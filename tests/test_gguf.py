@@ -200,3 +200,36 @@ def test_the_real_target_flow_continues_only_a_run_of_its_own_scale(tmp_path):
     with pytest.raises(ValueError, match="holds a run of another scale"):
         run_real_target(tmp_path, 1, CPU)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["summary.json"]
+
+
+def test_a_packed_proof_seeds_one_whose_data_stages_do_only_what_it_lacks(tmp_path):
+    """seed_from_packed restores each temperature's answers (ids without the temperature, which
+    regenerate_file then skips) and keeps only the target stage, so that prompts and regenerate run
+    again on the files; a packed run without its data stages, or an id naming no temperature, is refused."""
+    from flashdraft.demo.real_target import seed_from_packed
+
+    def conversation(i, t):
+        messages = [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"a{i} at {t}"}]
+        return {"id": f"chat-synth-{i}@t{t}", "messages": messages, "truncated_turns": 0}
+
+    records = [conversation(i, t) for t in (0, 1) for i in range(3)]
+    (tmp_path / "conversations.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    packed = {"stages": ["target", "prompts", "regenerate", "prepare", "drafter"], "answered": 6,
+              "seconds": {"target_s": 19.8, "regenerate_s": 156.3}, "drafter_plan": {"steps": 9}}  # fmt: skip
+    (tmp_path / "summary.json").write_text(json.dumps(packed))
+    summary = seed_from_packed(tmp_path)
+    assert summary["stages"] == ["target"] and "drafter_plan" not in summary
+    assert summary["seconds"] == {"target_s": 19.8} and summary["seeded"]["answered"] == 6
+    assert json.loads((tmp_path / "summary.json").read_text()) == summary
+    for t in (0, 1):
+        restored = [json.loads(line) for line in (tmp_path / f"answers.t{t}.jsonl").read_text().splitlines()]
+        assert restored == [conversation(i, t) | {"id": f"chat-synth-{i}"} for i in range(3)]
+
+    (tmp_path / "summary.json").write_text(json.dumps({"stages": ["target", "prompts"], "seconds": {}}))
+    with pytest.raises(ValueError, match=r"lacks the stages \['regenerate'\]"):
+        seed_from_packed(tmp_path)
+    (tmp_path / "summary.json").write_text(json.dumps(packed))
+    bad = json.dumps(records[0]) + "\n" + json.dumps({"id": "x", "messages": []}) + "\n"
+    (tmp_path / "conversations.jsonl").write_text(bad)
+    with pytest.raises(ValueError, match=r"conversations.jsonl:2: id 'x' names no temperature"):
+        seed_from_packed(tmp_path)

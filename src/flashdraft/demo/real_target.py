@@ -260,7 +260,7 @@ def run_real_target(
                 synth = synthesize(model, tokenizer, out / f"prompts.{kind}.jsonl", options)
             if synth.kept < count:
                 raise ValueError(f"only {synth.kept} of {count} user turns kept: see {synth.rejected_path}")
-            synthesis[kind] = {"kept": synth.kept, "rejected": synth.rejected}
+            synthesis[kind] = {"kept": synth.kept, "already": synth.already, "rejected": synth.rejected}
         step_1, verify = decode_costs(model, block=16)
         if done("prompts", synthesis=synthesis, decode_step_s=round(step_1, 4), verify_s=round(verify, 4)):
             return summary
@@ -394,6 +394,38 @@ def run_real_target(
         done("reference", reference=ref)
     console.print(f"finished: {summary['wall_s']:.0f} s over all calls; summary in {summary_path}")
     return summary
+
+
+PACKED = ("conversations.jsonl", "prompts.chat.jsonl", "prompts.code.jsonl", "summary.json")
+
+
+def seed_from_packed(out: Path) -> dict:
+    """Turn a proof directory unpacked from another run's PACKED files (prompts, answers, summary) into
+    one whose data stages continue from them: each temperature's answers file is restored from the
+    conversations, and the summary keeps only the target stage and the data stages' measured costs.
+    The prompts and regenerate stages then run again and do only what the files lack: nothing at the
+    same scale, the new prompts and their answers at a larger one (`synthesize` resumes past the turns
+    it finds, `regenerate_file` skips the ids answered). The scale and the drafter's plan come from the
+    next call, as in a new proof. Returns the summary written."""
+    out = Path(out)
+    summary_path = out / "summary.json"
+    summary = json.loads(summary_path.read_text())
+    missing = {"target", "prompts", "regenerate"} - set(summary.get("stages", []))
+    if missing:
+        raise ValueError(f"{summary_path}: the packed run lacks the stages {sorted(missing)}")
+    by_temperature: dict[str, list[dict]] = {}
+    for n, record in enumerate(_lines(out / "conversations.jsonl"), 1):
+        base, sep, temperature = record["id"].rpartition("@t")
+        if not sep:
+            raise ValueError(f"{out / 'conversations.jsonl'}:{n}: id {record['id']!r} names no temperature")
+        by_temperature.setdefault(temperature, []).append(record | {"id": base})
+    for temperature, records in by_temperature.items():
+        _write_lines(out / f"answers.t{temperature}.jsonl", records)
+    seconds = summary.get("seconds", {})
+    kept = {"stages": ["target"], "seconds": {"target_s": seconds.get("target_s", 0)}}
+    kept["seeded"] = {k: summary.get(k) for k in ("answered", "synthesis")} | {"seconds": seconds}
+    _write_lines(summary_path, [kept])
+    return kept
 
 
 def _calibrate(scale: RealScale, settings: dict, target_dir: Path, data_dir: Path, out: Path) -> dict:
