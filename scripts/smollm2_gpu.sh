@@ -94,8 +94,10 @@ case "${1:-}" in
     (cd /root/keep && tar czf "${OUT:-/tmp}/variants.tgz" logs \
       $(find variants -name '*.json' -o -name '*.jsonl' -o -name '*.log' | grep -v /checkpoints/))
     exit $rc ;;
-  pack)
-    (cd "$PROOF" && tar czf "${OUT:-/tmp}/proofdata.tgz" conversations.jsonl prompts.chat.jsonl prompts.code.jsonl summary.json) ;;
+  pack)  # in parts of 15 MiB (a file back from the device is at most 16 MiB): proofdata.tgz.part-00, ...
+    export PYTHONPATH=$SITE:$PWD/src
+    files=$(python3 -c "from flashdraft.demo.real_target import PACKED; print(*PACKED)") || exit 3
+    (cd "$PROOF" && tar czf - $files | split -b 15M -d - "${OUT:-/tmp}/proofdata.tgz.part-") ;;
   *) echo "usage: $0 keep | run [smollm2_proof.py options] | compare [compare_recipes.py options] | pack" >&2
      exit 2 ;;
 esac

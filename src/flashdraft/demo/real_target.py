@@ -333,9 +333,6 @@ def run_real_target(
             result = trainer.run(until=until)
         tokens = sum(trainer.stream[m].num_tokens for m in range(result.steps))  # one micro-batch a step
         trainer.close()
-        console.print(
-            f"drafter: loss {result.first_loss:.3f} -> {result.final_loss:.3f}; step {result.steps}/{steps}"
-        )
         drafter = {
             "drafter_steps": result.steps,
             "drafter_step_s": round(step_s, 4),
@@ -345,6 +342,8 @@ def run_real_target(
             "checkpoint": str(result.checkpoint),
             "eval_planned_s": round(eval_s),
         }
+        first, last = drafter["drafter_loss"]  # the run's first loss: a resumed slice has no step 1
+        console.print(f"drafter: loss {first:.3f} -> {last:.3f}; step {result.steps}/{steps}")
         if result.steps < steps:  # the rest in the next call, resumed from this checkpoint
             record("drafter", **drafter)
             console.print(f"the drafter goes on from step {result.steps} in the next call (same command)")
