@@ -27,6 +27,12 @@ H200 = RealScale(
     calibration_steps=5,
     cuda_graphs=True,
     reference_prompts=32,
+    # served tau at T = 0 while the drafter trains, on 16 held-out prompts of 96 tokens (CUDA graphs):
+    # logged in run/metrics.jsonl, which comes back every call, so a run that loses its machine still
+    # says where its tau stood (session 24 lost one with only training-batch metrics)
+    probes=4,
+    probe_prompts=16,
+    probe_tokens=96,
 )
 
 SMOKE = RealScale(
@@ -42,4 +48,7 @@ SMOKE = RealScale(
     temperatures=(0.0, 1.0),
     calibration_steps=2,
     reference_prompts=2,
+    probes=2,
+    probe_prompts=2,
+    probe_tokens=8,
 )

@@ -1,10 +1,14 @@
 #!/usr/bin/env bash
 # One device call of the SmolLM2 proof on the lent GPU, after scripts/carry_smollm2.sh's two parts:
 #   call 1 (carry .whl .carry1):  bash scripts/smollm2_gpu.sh keep
-#   call 2.. (carry .whl .carry2, each right after the last: a warm machine goes back after 30 s idle):
+#   call 2.. (carry .whl .carry2, each right after the last: a warm machine goes back 30 s after a call
+#             ends, so decide every call's options before the first; session 24 lost a drafter 640 steps
+#             short of done by thinking between calls 3 and 4):
 #                                 bash scripts/smollm2_gpu.sh run [scripts/smollm2_proof.py options]
+#             e.g. three times the default data, seeded:  run --minutes 9.6 --prompts 24576 --drafter-minutes 9.5
 #   after the regenerate stage:   bash scripts/smollm2_gpu.sh pack   -> $OUT/proofdata.tgz.part-00, ... (11 MB
-#                                 at the default --prompts; `run` does it in the call that finishes regenerating)
+#                                 at the default --prompts, 33 MB at --prompts 24576; `run` does it in the call
+#                                 that finishes regenerating)
 #   after the drafter stage:      `run` returns its weights once, $OUT/drafter.tgz.part-00, -01 (15 MiB each
 #                                 at most; here `cat drafter.tgz.part-* | tar xz` gives the checkpoint)
 #   recipe variants (call 2..):   bash scripts/smollm2_gpu.sh compare --steps 1000 --variant today \

@@ -233,3 +233,34 @@ def test_a_packed_proof_seeds_one_whose_data_stages_do_only_what_it_lacks(tmp_pa
     (tmp_path / "conversations.jsonl").write_text(bad)
     with pytest.raises(ValueError, match=r"conversations.jsonl:2: id 'x' names no temperature"):
         seed_from_packed(tmp_path)
+
+
+def test_the_proof_probes_tau_on_logged_steps_and_reads_them_back(tmp_path):
+    """With `probes`, the drafter's config probes tau on the held-out prompts every so many steps, a
+    multiple of log_every (so each probe is logged at its own step); the calibration run loads the
+    whole target but no probe falls due; probe_tau reads [step, tau] back from the run's metrics."""
+    import dataclasses
+
+    from flashdraft.demo.real_target import CPU, drafter_settings, probe_tau
+
+    class Tokenizer:
+        def convert_tokens_to_ids(self, token):
+            return 7
+
+    scale = dataclasses.replace(CPU, probes=4, train={"log_every": 50})
+    settings = drafter_settings(scale, Tokenizer(), tmp_path / "probe.jsonl", 10_181)
+    assert settings["eval_every"] == 2500 and settings["eval_prompts"] == str(tmp_path / "probe.jsonl")
+    assert settings["drafter.mask_token_id"] == 7 and settings["eval_num_prompts"] == scale.probe_prompts
+    assert drafter_settings(scale, Tokenizer(), tmp_path / "probe.jsonl", None)["eval_every"] > 10**8
+    assert "eval_every" not in drafter_settings(scale, Tokenizer())
+    assert drafter_settings(dataclasses.replace(scale, probes=0), Tokenizer(), tmp_path, 100).keys() == {
+        "log_every", "drafter.mask_token_id"}  # fmt: skip
+
+    rows = [
+        {"step": 2500, "loss": 1.0, "tau": 2.51234},
+        {"step": 2550, "loss": 0.9},
+        {"step": 5000, "tau": 3.0},
+    ]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert probe_tau(tmp_path) == [[2500, 2.512], [5000, 3.0]]
+    assert probe_tau(tmp_path / "none") == []

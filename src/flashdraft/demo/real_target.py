@@ -65,6 +65,9 @@ class RealScale:
     calibration_steps: int = 3  # timed after one untimed step (compilation)
     cuda_graphs: bool = False
     reference_prompts: int = 0  # HumanEval prompts decoded by the reference `dflash` package at T = 0
+    probes: int = 0  # tau probes while the drafter trains, evenly spaced (and at its last step)
+    probe_prompts: int = 16  # held-out prompts (the kinds alternating) the probes decode at T = 0
+    probe_tokens: int = 96
     drafter_minutes: float | None = None  # training time over this and later calls (None: what this has left)
 
 
@@ -184,12 +187,34 @@ def prompt_split(out: Path, scale: RealScale) -> tuple[list[dict], list[dict]]:
     return train, held
 
 
-def drafter_settings(scale: RealScale, tokenizer) -> dict:
-    """The drafter's `flashdraft train` overrides at this scale, with SmolLM2's MASK token."""
-    return {**scale.train, "drafter.mask_token_id": tokenizer.convert_tokens_to_ids(MASK_TOKEN)}
+def drafter_settings(
+    scale: RealScale, tokenizer, probe_path: Path | None = None, steps: int | None = None
+) -> dict:
+    """The drafter's `flashdraft train` overrides at this scale, with SmolLM2's MASK token; with
+    `probe_path`, `scale.probes` tau probes over `steps` on its prompts (steps None: none fall due, as in
+    the calibration run, which still loads the whole target the probes decode with)."""
+    settings = {**scale.train, "drafter.mask_token_id": tokenizer.convert_tokens_to_ids(MASK_TOKEN)}
+    if scale.probes and probe_path is not None:
+        log = settings.get("log_every", 1)  # on logged steps, so that each probe's step is its own
+        every = max(1, steps // scale.probes // log) * log if steps else 10**9
+        settings |= {
+            "eval_every": every,
+            "eval_prompts": str(probe_path),
+            "eval_cuda_graphs": scale.cuda_graphs,
+        }
+        settings |= {"eval_num_prompts": scale.probe_prompts, "eval_max_new_tokens": scale.probe_tokens}
+    return settings
+
+
+def probe_tau(run_dir: Path) -> list[list[float]]:
+    """[step, tau] of every tau probe logged in the drafter's run so far."""
+    metrics = run_dir / "metrics.jsonl"
+    rows = _lines(metrics) if metrics.is_file() else []
+    return [[r["step"], round(r["tau"], 3)] for r in rows if "tau" in r]
 
 
 STAGES = ("target", "prompts", "regenerate", "prepare", "drafter", "eval", "reference")
+PROBE_S = 10.0  # seconds planned for one tau probe (two took 19 s in the 95M proof on the H200)
 
 
 def run_real_target(
@@ -309,17 +334,25 @@ def run_real_target(
         cycles = sum(len(r) for r in sets.values()) * len(scale.temperatures)
         cycles += scale.reference_prompts  # its DFlash, at T = 0
         eval_s = 0 if evals_later else report_estimate(summary, scale, cycles)
-        settings = drafter_settings(scale, tokenizer)
+        probe_path = out / "probe_prompts.jsonl"
+        if scale.probes:  # held-out prompts, the kinds alternating
+            by_kind = [[r for r in held if r["id"].startswith(f"{k}-")] for k in kinds]
+            _write_lines(probe_path, [r for group in zip(*by_kind, strict=True) for r in group])
         if "drafter_plan" not in summary:
-            summary["drafter_plan"] = _calibrate(scale, settings, target_dir, data_dir, out)
+            calibration = drafter_settings(scale, tokenizer, probe_path, None)
+            summary["drafter_plan"] = _calibrate(scale, calibration, target_dir, data_dir, out)
         plan = summary["drafter_plan"]
         step_s, startup_s = plan["step_s"], plan["startup_s"]
         left = budget - clock.since_start() - eval_s - startup_s
-        if scale.drafter_minutes is None:
+        if scale.drafter_minutes is None:  # the whole run in this call, its probes too
+            left -= PROBE_S * (scale.probes + 1) if scale.probes else 0
             steps = min(plan["available"], max(10, int(left / step_s)))
         else:  # the whole run's steps, trained over this call and the next ones
             steps = min(plan["available"], max(10, int(60 * scale.drafter_minutes / step_s)))
         steps = plan.setdefault("steps", steps)
+        settings = drafter_settings(scale, tokenizer, probe_path, steps)
+        if scale.probes and scale.drafter_minutes is not None:  # this slice's probes
+            left -= PROBE_S * (left / step_s / settings["eval_every"] + 1)
         cfg = resolve_config(scale.preset, **settings, max_steps=steps)
         run_dir = out / "run"
         resume = (run_dir / "checkpoints" / "LATEST").is_file()
@@ -341,6 +374,7 @@ def run_real_target(
             "drafter_loss": [summary.get("drafter_loss", [result.first_loss])[0], result.final_loss],
             "checkpoint": str(result.checkpoint),
             "eval_planned_s": round(eval_s),
+            "probe_tau": probe_tau(run_dir),
         }
         first, last = drafter["drafter_loss"]  # the run's first loss: a resumed slice has no step 1
         console.print(f"drafter: loss {first:.3f} -> {last:.3f}; step {result.steps}/{steps}")
