@@ -435,7 +435,8 @@ PACKED = ("conversations.jsonl", "prompts.chat.jsonl", "prompts.code.jsonl", "su
 def seed_from_packed(out: Path) -> dict:
     """Turn a proof directory unpacked from another run's PACKED files (prompts, answers, summary) into
     one whose data stages continue from them: each temperature's answers file is restored from the
-    conversations, and the summary keeps only the target stage and the data stages' measured costs.
+    conversations, and the summary keeps only the target stage (the packed run's data figures under
+    `seeded`).
     The prompts and regenerate stages then run again and do only what the files lack: nothing at the
     same scale, the new prompts and their answers at a larger one (`synthesize` resumes past the turns
     it finds, `regenerate_file` skips the ids answered). The scale and the drafter's plan come from the
