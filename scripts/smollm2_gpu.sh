@@ -53,9 +53,13 @@ case "${1:-}" in
     if ! finished prompts; then
       python3 scripts/smollm2_proof.py --out "$PROOF" --call-started "$started" "$@" --stop-after prompts > "$LOGS/call${n}p.log" 2>&1 || exit 4
     fi
-    # killed before the device's 600 s limit (an eval or the reference running over its estimate), so
-    # that the logs are still packed; the next call goes on from the stage it cut
-    timeout -s KILL $((588 - $(date +%s) + started)) \
+    # killed 10 s after its --minutes and before the device's 600 s limit (an eval or the reference
+    # running over its estimate), so that the logs are still packed; the next call goes on from the stage
+    # it cut (session 25 lost a call of 6.4 minutes, sent with a 420 s device limit, to a kill at 588 s)
+    minutes=9
+    for ((i = 1; i < $#; i++)); do [ "${!i}" = --minutes ] && j=$((i + 1)) && minutes=${!j}; done
+    limit=$(python3 -c "print(min(588, int(60 * $minutes) + 10))") || exit 2
+    timeout -s KILL $((limit - $(date +%s) + started)) \
       python3 scripts/smollm2_proof.py --out "$PROOF" --call-started "$started" "$@" > "$LOGS/call$n.log" 2>&1
     rc=$?
     grep -v "Loading weights\|it/s\]\|examples/s\]" "$LOGS/call$n.log" | tail -40

@@ -264,3 +264,35 @@ def test_the_proof_probes_tau_on_logged_steps_and_reads_them_back(tmp_path):
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     assert probe_tau(tmp_path) == [[2500, 2.512], [5000, 3.0]]
     assert probe_tau(tmp_path / "none") == []
+
+
+def test_the_reference_waits_for_a_call_with_the_time_it_needs(tmp_path, monkeypatch):
+    """After the evals, the reference package's run starts only when the call has the longest report's
+    time left (it once ran past a call's end, and the call's logs were lost); it then runs in the next."""
+    import dataclasses
+
+    from flashdraft.demo import real_target
+    from flashdraft.model import target
+
+    scale = dataclasses.replace(real_target.CPU, reference_prompts=2)
+    monkeypatch.setattr(real_target, "smollm2_gguf", lambda: tmp_path / "x.gguf")
+    monkeypatch.setattr(real_target, "gguf_to_hf", lambda gguf, out: out)
+    monkeypatch.setattr(target, "load_tokenizer", lambda path: None)
+    ran = []
+    monkeypatch.setattr(real_target, "reference_on_prompts", lambda *a: ran.append(a) or {"tau": 3.0})
+    turns = [{"id": f"synth-{i}", "messages": [{"role": "user", "content": "q"}]} for i in range(20)]
+    (tmp_path / "prompts.chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in turns))
+    (tmp_path / "eval").mkdir()
+    ours = {"dflash": {"tau_per_sample": [3, 4, 5]}}
+    (tmp_path / "eval" / "humaneval_t0.json").write_text(json.dumps(ours))
+    stages = ["target", "prompts", "regenerate", "prepare", "drafter", "eval"]
+    summary = {"scale": json.loads(json.dumps(dataclasses.asdict(scale))), "stages": stages,
+               "seconds": {}, "eval_report_s": {"humaneval_t0": 50.0, "held_out_t0": 90.0},
+               "checkpoint": str(tmp_path / "ckpt")}  # fmt: skip
+    (tmp_path / "summary.json").write_text(json.dumps(summary))
+
+    result = real_target.run_real_target(tmp_path, 80 / 60, scale)
+    assert ran == [] and result["stages"] == stages
+    result = real_target.run_real_target(tmp_path, 100 / 60, scale)
+    assert len(ran) == 1 and ran[0][-1] == [3, 4] and result["stages"] == [*stages, "reference"]
+    assert json.loads((tmp_path / "summary.json").read_text())["reference"] == {"tau": 3.0}

@@ -1,0 +1,107 @@
+"""The SmolLM2 proof's evals on this machine's CPU, from what a GPU run sent back: its packed prompts and
+answers (`proofdata.tgz.part-*`) and its drafter (`drafter.tgz.part-*`, scripts/smollm2_gpu.sh).
+
+For the reports a GPU call did not reach (its device time ran out): the same prompts (HumanEval's first
+--humaneval problems, the held-out synthesized turns of --prompts), the same 192 new tokens, the same
+`flashdraft eval` comparison (plain decoding, DFlash, n-gram), on the CPU. Tau is a property of the
+drafter and the target, not of the machine, up to bf16 rounding (which can flip a near-tie of the greedy
+path: `--calibrate N` decodes HumanEval's first N at T = 0 here, to set beside the GPU's report on the
+same prompts); tokens/s and speedup are the CPU's and say nothing of the GPU's. `--reference N` decodes
+HumanEval's first N at T = 0 with the reference `dflash` package on the z-lab export and counts the
+prompts where its tau equals ours (our tau from the --calibrate report, on this machine). Each report is
+written to OUT/eval/ when done; the same command skips those there.
+
+    python scripts/smollm2_cpu_evals.py --data DIR_OF_PROOFDATA_PARTS --drafter DIR_OF_DRAFTER_PARTS \
+        --out runs/cpu_evals --prompts 24576 --report humaneval_t1 --report held_out_t0 --calibrate 32 \
+        --reference 32
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the recipes package
+from flashdraft.data.humaneval import humaneval_prompts  # noqa: E402
+from flashdraft.demo.real_target import (  # noqa: E402
+    gguf_to_hf,
+    prompt_split,
+    reference_on_prompts,
+    smollm2_gguf,
+)
+from flashdraft.eval.report import compare_methods, print_table, write_report  # noqa: E402
+from recipes.smollm2 import H200  # noqa: E402
+
+
+def unpack(parts_dir: Path, stem: str, into: Path) -> None:
+    """Join `stem`.part-* (in name order) and untar them into `into`, written aside and renamed."""
+    parts = sorted(parts_dir.glob(f"{stem}.part-*"))
+    if not parts:
+        raise SystemExit(f"{parts_dir}: no {stem}.part-* files")
+    tmp = into.with_name(f".{into.name}.tmp")
+    subprocess.run(["rm", "-rf", str(tmp)], check=True)
+    tmp.mkdir(parents=True)
+    cat = subprocess.Popen(["cat", *map(str, parts)], stdout=subprocess.PIPE)
+    subprocess.run(["tar", "xz", "-C", str(tmp)], stdin=cat.stdout, check=True)
+    if cat.wait():
+        raise SystemExit(f"{parts_dir}: could not read {stem}.part-*")
+    tmp.rename(into)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--data", type=Path, required=True, help="folder of proofdata.tgz.part-*")
+    ap.add_argument("--drafter", type=Path, required=True, help="folder of drafter.tgz.part-*")
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--prompts", type=int, required=True, help="the GPU run's --prompts (held-out split)")
+    ap.add_argument("--humaneval", type=int, default=64)
+    ap.add_argument("--report", action="append", default=[], help="humaneval_t1, held_out_t0, ...")
+    ap.add_argument("--calibrate", type=int, default=0, help="HumanEval's first N at T = 0 here")
+    ap.add_argument("--reference", type=int, default=0, help="the reference package on those N")
+    args = ap.parse_args()
+
+    out = args.out
+    if not (out / "data").is_dir():
+        unpack(args.data, "proofdata.tgz", out / "data")
+    if not (out / "drafter").is_dir():
+        unpack(args.drafter, "drafter.tgz", out / "drafter")
+    (checkpoint,) = (out / "drafter").iterdir()
+    target_dir = gguf_to_hf(smollm2_gguf(), out / "target")
+    count = args.prompts + H200.held_out
+    scale = dataclasses.replace(H200, device="cpu", cuda_graphs=False, prompts=count, code_prompts=count)
+    _, held = prompt_split(out / "data", scale)
+    sets = {"humaneval": humaneval_prompts()[: args.humaneval], "held_out": held}
+    sets["calibrate"] = sets["humaneval"][: args.calibrate]
+    reports = list(args.report) + (["calibrate_t0"] if args.calibrate else [])
+    for key in reports:
+        name, _, t = key.rpartition("_t")
+        if name not in sets or t not in ("0", "1"):
+            raise SystemExit(f"--report {key}: one of {sorted(sets)} followed by _t0 or _t1")
+        path = out / "eval" / f"{key}.json"
+        if not path.is_file():
+            started = time.time()
+            report = compare_methods(
+                target_dir, checkpoint, [r["messages"] for r in sets[name]], scale.eval_tokens, float(t),
+                device="cpu",
+            )  # fmt: skip
+            report["wall_s"] = round(time.time() - started, 1)
+            write_report(report, path)
+        print(f"{name}, T = {t}")
+        print_table(json.loads(path.read_text()))
+    if args.reference:
+        ours = json.loads((out / "eval" / "calibrate_t0.json").read_text())["dflash"]["tau_per_sample"]
+        n = min(args.reference, len(ours))
+        started = time.time()
+        ref = reference_on_prompts(checkpoint, target_dir, out, sets["humaneval"][:n], scale, ours[:n])
+        ref["wall_s"] = round(time.time() - started, 1)
+        (out / "eval" / "reference.json").write_text(json.dumps(ref, indent=1))
+        print(json.dumps({k: v for k, v in ref.items() if not isinstance(v, list)}))
+
+
+if __name__ == "__main__":
+    main()
