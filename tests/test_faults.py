@@ -16,7 +16,7 @@ from helpers import random_docs
 
 pytestmark = pytest.mark.slow
 
-STEPS = 16
+STEPS = 8
 CONFIG = """
 data: {seq_len: 128, rows_per_batch: 2}
 num_anchors: 8
@@ -30,7 +30,10 @@ drafter: {num_layers: 1, num_taps: 2}
 def _cmd(target, data, cfg, out, resume: bool) -> list[str]:
     cmd = [sys.executable, "-m", "flashdraft.cli.main", "train", "--target", str(target), "--data", str(data),
            "--config", str(cfg), "--max-steps", str(STEPS), "--device", "cpu"]  # fmt: skip
-    return cmd + (["--resume", str(out)] if resume else ["--out", str(out)])
+    if resume:
+        return cmd + ["--resume", str(out)]
+    # killed before its first checkpoint: nothing to resume, and --out alone refuses the run's directory
+    return cmd + ["--out", str(out)] + (["--overwrite"] if out.exists() else [])
 
 
 def _complete(ckpt) -> bool:

@@ -128,7 +128,10 @@ class Checkpointer:
         root = self.out / "checkpoints" if self.out else None
         ckpt = latest_checkpoint(root) if root else None
         if ckpt is None:
-            raise ValueError(f"--resume: {self.out}/checkpoints has no complete checkpoint (no LATEST)")
+            raise ValueError(
+                f"--resume: {self.out}/checkpoints has no complete checkpoint (no LATEST): the run stopped "
+                "before its first save; --out with --overwrite starts it again"
+            )
         older = sorted((p for p in root.glob("step_*") if p.is_dir() and p.name < ckpt.name), reverse=True)
         for candidate in [ckpt, *older]:  # a checkpoint damaged after it was written: the one before it
             try:
