@@ -12,7 +12,8 @@ prompts where its tau equals ours (our tau from the --calibrate report, on this 
 written to OUT/eval/ when done; the same command skips those there. A CPU report of 64 prompts takes
 over an hour with all three methods (session 25: 1.3 minutes a HumanEval prompt): `--dflash-only`
 decodes DFlash alone (the n-gram baseline's tau does not depend on the drafter: a GPU report of the same
-prompts and seeds has it) and `--first N` takes each report's first N prompts.
+prompts and seeds has it; `--ngram-only` decodes it alone where none has) and `--first N` takes each
+report's first N prompts.
 
     python scripts/smollm2_cpu_evals.py --data DIR_OF_PROOFDATA_PARTS --drafter DIR_OF_DRAFTER_PARTS \
         --out runs/cpu_evals --prompts 24576 --report humaneval_t1 --report held_out_t0 --calibrate 32 \
@@ -56,8 +57,10 @@ def unpack(parts_dir: Path, stem: str, into: Path) -> None:
     tmp.rename(into)
 
 
-def dflash_only(target_dir: Path, checkpoint: Path, conversations: list, temperature: float, path: Path):
-    """A report of DFlash alone (its `method_summary`), as `flashdraft eval` decodes it on the CPU."""
+def one_method(
+    method: str, target_dir: Path, checkpoint: Path, conversations: list, temperature: float, path: Path
+):
+    """A report of one method alone (its `method_summary`), as `flashdraft eval` decodes it on the CPU."""
     from flashdraft.eval.spec import decoding_target, encode_prompt, run_methods
     from flashdraft.model.checkpoint import load_drafter
     from flashdraft.model.target import load_target, stop_token_ids
@@ -69,9 +72,9 @@ def dflash_only(target_dir: Path, checkpoint: Path, conversations: list, tempera
     stops = stop_token_ids(model, tokenizer)
     gens = run_methods(
         decoding_target(model, draft), draft, ids, H200.eval_tokens, draft.block_size, temperature, stops,
-        methods=("dflash",),
-    )["dflash"]  # fmt: skip
-    report = {"dflash": method_summary(gens, draft.block_size), "num_prompts": len(ids)}
+        methods=(method,),
+    )[method]  # fmt: skip
+    report = {method: method_summary(gens, draft.block_size), "num_prompts": len(ids)}
     report |= {
         "temperature": temperature,
         "device": "cpu",
@@ -93,6 +96,7 @@ def main() -> None:
     ap.add_argument("--calibrate", type=int, default=0, help="HumanEval's first N at T = 0 here")
     ap.add_argument("--reference", type=int, default=0, help="the reference package on those N")
     ap.add_argument("--dflash-only", action="store_true", help="the --report reports decode DFlash alone")
+    ap.add_argument("--ngram-only", action="store_true", help="the --report reports decode n-gram alone")
     ap.add_argument("--first", type=int, help="each --report report's first N prompts")
     args = ap.parse_args()
 
@@ -115,11 +119,13 @@ def main() -> None:
         if name not in sets or t not in ("0", "1"):
             raise SystemExit(f"--report {key}: one of {sorted(sets)} followed by _t0 or _t1")
         path = out / "eval" / f"{key}.json"
-        if key != "calibrate_t0" and args.dflash_only:
-            path = path.with_name(f"{key}_dflash.json")
+        alone = "dflash" if args.dflash_only else "ngram" if args.ngram_only else None
+        if key != "calibrate_t0" and alone:
+            path = path.with_name(f"{key}_{alone}.json")
             if not path.is_file():
-                dflash_only(target_dir, checkpoint, [r["messages"] for r in sets[name]], float(t), path)
-            print(f"{name}, T = {t}, DFlash alone:", json.loads(path.read_text())["dflash"]["tau"])
+                conversations = [r["messages"] for r in sets[name]]
+                one_method(alone, target_dir, checkpoint, conversations, float(t), path)
+            print(f"{name}, T = {t}, {alone} alone:", json.loads(path.read_text())[alone]["tau"])
             continue
         if not path.is_file():
             started = time.time()
