@@ -38,7 +38,8 @@ from flashdraft.demo.real_target import (  # noqa: E402
     reference_on_prompts,
     smollm2_gguf,
 )
-from flashdraft.eval.report import compare_methods, method_summary, print_table, write_report  # noqa: E402
+from flashdraft.eval.report import compare_methods, print_table, write_report  # noqa: E402
+from flashdraft.eval.spec import METHODS  # noqa: E402
 from recipes.smollm2 import H200  # noqa: E402
 
 
@@ -55,34 +56,6 @@ def unpack(parts_dir: Path, stem: str, into: Path) -> None:
     if cat.wait():
         raise SystemExit(f"{parts_dir}: could not read {stem}.part-*")
     tmp.rename(into)
-
-
-def one_method(
-    method: str, target_dir: Path, checkpoint: Path, conversations: list, temperature: float, path: Path
-):
-    """A report of one method alone (its `method_summary`), as `flashdraft eval` decodes it on the CPU."""
-    from flashdraft.eval.spec import decoding_target, encode_prompt, run_methods
-    from flashdraft.model.checkpoint import load_drafter
-    from flashdraft.model.target import load_target, stop_token_ids
-
-    started = time.time()
-    model, tokenizer = load_target(target_dir, "cpu")
-    draft = load_drafter(checkpoint, "cpu", dtype=model.dtype).eval()
-    ids = [encode_prompt(tokenizer, c) for c in conversations]
-    stops = stop_token_ids(model, tokenizer)
-    gens = run_methods(
-        decoding_target(model, draft), draft, ids, H200.eval_tokens, draft.block_size, temperature, stops,
-        methods=(method,),
-    )[method]  # fmt: skip
-    report = {method: method_summary(gens, draft.block_size), "num_prompts": len(ids)}
-    report |= {
-        "temperature": temperature,
-        "device": "cpu",
-        "dtype": str(model.dtype),
-        "wall_s": time.time() - started,
-    }
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(report, indent=1))
 
 
 def main() -> None:
@@ -120,23 +93,27 @@ def main() -> None:
             raise SystemExit(f"--report {key}: one of {sorted(sets)} followed by _t0 or _t1")
         path = out / "eval" / f"{key}.json"
         alone = "dflash" if args.dflash_only else "ngram" if args.ngram_only else None
-        if key != "calibrate_t0" and alone:
+        methods = (alone,) if alone and key != "calibrate_t0" else METHODS
+        if methods != METHODS:
             path = path.with_name(f"{key}_{alone}.json")
-            if not path.is_file():
-                conversations = [r["messages"] for r in sets[name]]
-                one_method(alone, target_dir, checkpoint, conversations, float(t), path)
-            print(f"{name}, T = {t}, {alone} alone:", json.loads(path.read_text())[alone]["tau"])
-            continue
         if not path.is_file():
             started = time.time()
             report = compare_methods(
                 target_dir, checkpoint, [r["messages"] for r in sets[name]], scale.eval_tokens, float(t),
-                device="cpu",
+                device="cpu", methods=methods,
             )  # fmt: skip
             report["wall_s"] = round(time.time() - started, 1)
-            write_report(report, path)
-        print(f"{name}, T = {t}")
-        print_table(json.loads(path.read_text()))
+            if methods == METHODS:
+                write_report(report, path)
+            else:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_text(json.dumps(report, indent=1))
+        report = json.loads(path.read_text())
+        if methods == METHODS:
+            print(f"{name}, T = {t}")
+            print_table(report)
+        else:
+            print(f"{name}, T = {t}, {alone} alone:", report[alone]["tau"])
     if args.reference:
         ours = json.loads((out / "eval" / "calibrate_t0.json").read_text())["dflash"]["tau_per_sample"]
         n = min(args.reference, len(ours))

@@ -268,6 +268,16 @@ def run_real_target(
     def todo(stage: str) -> bool:
         return stage not in summary.get("stages", [])
 
+    def short_of(need: float, stage: str, what: str) -> bool:
+        """Whether this call has less than `need` seconds left; then `stage`'s time is recorded and the
+        next call goes on from `what`."""
+        left = budget - clock.since_start()
+        if left >= need:
+            return False
+        record(stage)
+        console.print(f"{what} goes on in the next call: {need:.0f} s needed, {left:.0f} left")
+        return True
+
     target_dir = gguf_to_hf(smollm2_gguf(), out / "target")
     if todo("target") and done("target"):
         return summary
@@ -396,13 +406,7 @@ def run_real_target(
                     # the longest report timed so far in this run; the first one always starts (the
                     # decoding costs timed in the prompts stage are eager and cold on the H200: 59-80 ms a
                     # step and 330-355 ms a verify, where a report decodes at about 3.5 ms a token)
-                    need = max(report_s.values(), default=0)
-                    if budget - clock.since_start() < need:
-                        record("eval")
-                        left = budget - clock.since_start()
-                        console.print(
-                            f"the evals go on at {key} in the next call: {need:.0f} s needed, {left:.0f} left"
-                        )
+                    if short_of(max(report_s.values(), default=0), "eval", f"the eval at {key}"):
                         return summary
                     started = time.time()
                     report = compare_methods(
@@ -424,11 +428,7 @@ def run_real_target(
         # as long as the longest report of this run at most (it decodes fewer prompts with one method, but
         # eagerly); started only when that fits, as the reports are (session 25 lost a call's logs to a
         # reference run past the call's end)
-        need = max(summary.get("eval_report_s", {}).values(), default=0)
-        if budget - clock.since_start() < need:
-            record("reference")
-            left = budget - clock.since_start()
-            console.print(f"the reference goes on in the next call: {need:.0f} s needed, {left:.0f} left")
+        if short_of(max(summary.get("eval_report_s", {}).values(), default=0), "reference", "the reference"):
             return summary
         ref = reference_on_prompts(
             Path(summary["checkpoint"]), target_dir, out, sets["humaneval"][:n], scale, ours[:n]

@@ -13,6 +13,7 @@ import json
 import math
 import random
 import statistics
+from collections.abc import Sequence
 from pathlib import Path
 
 from rich.console import Console
@@ -259,10 +260,13 @@ def compare_methods(
     progress=None,
     cuda_graphs: bool = False,
     attention: str = "auto",
+    methods: Sequence[str] = METHODS,
 ) -> dict:
     """Load the target (HF directory or hub id) and the drafter checkpoint, decode every conversation with
     plain decoding, DFlash and prompt lookup, and return the report (`build_report`). cuda_graphs: see
-    `run_methods`; attention: the target's (`flashdraft.model.target.load_target`)."""
+    `run_methods`; attention: the target's (`flashdraft.model.target.load_target`). `methods`: fewer of
+    them give a report of their statistics alone (no speedup or ratio), e.g. one method's tau where the
+    others were measured elsewhere."""
 
     from flashdraft.model.checkpoint import load_drafter
     from flashdraft.model.target import load_target
@@ -275,8 +279,9 @@ def compare_methods(
     ids = [encode_prompt(tokenizer, c, thinking) for c in conversations]
     stops = stop_token_ids(model, tokenizer)
     results = run_methods(
-        spec_target, draft, ids, max_new_tokens, block, temperature, stops, seed, progress, cuda_graphs
-    )
+        spec_target, draft, ids, max_new_tokens, block, temperature, stops, seed, progress, cuda_graphs,
+        methods,
+    )  # fmt: skip
     settings = {
         "target": str(target),
         "drafter": str(drafter),
@@ -291,4 +296,7 @@ def compare_methods(
         "cuda_graphs": cuda_graphs,
         "target_attention": model.config.get_text_config()._attn_implementation,
     }
+    if set(methods) != set(METHODS):
+        stats = {m: method_summary(gens, block) for m, gens in results.items()}
+        return {"settings": settings, "tau_definition": TAU_DEFINITION, **stats}
     return build_report(settings, results, block, [len(i) for i in ids])
