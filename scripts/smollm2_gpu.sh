@@ -9,8 +9,8 @@
 #   after the regenerate stage:   bash scripts/smollm2_gpu.sh pack   -> $OUT/proofdata.tgz.part-00, ... (11 MB
 #                                 at the default --prompts, 33 MB at --prompts 24576; `run` does it in the call
 #                                 that finishes regenerating)
-#   after the drafter stage:      `run` returns its weights once, $OUT/drafter.tgz.part-00, -01 (15 MiB each
-#                                 at most; here `cat drafter.tgz.part-* | tar xz` gives the checkpoint)
+#   after each drafter slice:     `run` returns its weights, $OUT/drafter.tgz.part-00, -01 (15 MiB each at
+#                                 most; here `cat drafter.tgz.part-* | tar xz` gives the checkpoint)
 #   recipe variants (call 2..):   bash scripts/smollm2_gpu.sh compare --steps 1000 --variant today \
 #                                   --variant gamma:position_weights=gamma   (then `compare` alone, until done)
 # A later session that copies those parts to .carry2/ starts its proof from those prompts and answers
@@ -83,14 +83,15 @@ case "${1:-}" in
     if [ ! -f /root/keep/proofdata.sent ] && finished regenerate; then
       bash scripts/smollm2_gpu.sh pack && touch /root/keep/proofdata.sent
     fi
-    # the trained drafter's weights come back once (bf16, about 25 MB, without the optimizer state and
-    # compile cache), in parts of 15 MiB (a file back from the device is at most 16 MiB): its tau can still
-    # be measured, on any machine, when the machine that trained it is gone.
+    # the drafter's weights come back after every call that trained it (bf16, about 19 MB, without the
+    # optimizer state and compile cache), in parts of 15 MiB (a file back from the device is at most 16
+    # MiB): its tau can still be measured, and a later run started from it (--train init_from=...), on any
+    # machine, when the machine that trained it is gone (session 26 lost 12,838 steps with its machine).
     # Here: cat drafter.tgz.part-* | tar xz
-    if [ ! -f /root/keep/drafter.sent ] && finished drafter; then
-      ckpt=$(python3 -c "import json; print(json.load(open('$PROOF/summary.json'))['checkpoint'])")
+    ckpt=$(python3 -c "import json; print(json.load(open('$PROOF/summary.json')).get('checkpoint', ''))" 2>/dev/null)
+    if [ -n "$ckpt" ] && [ -d "$ckpt" ] && [ "$(cat /root/keep/drafter.sent 2>/dev/null)" != "$ckpt" ]; then
       tar czf - -C "$(dirname "$ckpt")" --exclude trainer_state.pt --exclude compile_cache.bin "$(basename "$ckpt")" \
-        | split -b 15M -d - "${OUT:-/tmp}/drafter.tgz.part-" && touch /root/keep/drafter.sent
+        | split -b 15M -d - "${OUT:-/tmp}/drafter.tgz.part-" && echo "$ckpt" > /root/keep/drafter.sent
     fi
     exit $rc ;;
   compare)

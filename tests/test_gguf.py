@@ -296,3 +296,53 @@ def test_the_reference_waits_for_a_call_with_the_time_it_needs(tmp_path, monkeyp
     result = real_target.run_real_target(tmp_path, 100 / 60, scale)
     assert len(ran) == 1 and ran[0][-1] == [3, 4] and result["stages"] == [*stages, "reference"]
     assert json.loads((tmp_path / "summary.json").read_text())["reference"] == {"tau": 3.0}
+
+
+def test_a_drafter_slice_ends_on_the_clock_with_time_to_save_and_goes_on_next_call(tmp_path, monkeypatch):
+    """With drafter_minutes, each call trains until a deadline that leaves SLICE_END_S (and the evals'
+    time) before the call's budget, rather than for a step count estimated from the timed step (session
+    26: the steps ran 7% slower than timed and the call was killed before it saved); a slice that stops
+    short of the run's steps is recorded and the next call resumes it."""
+    import dataclasses
+    import time
+
+    from flashdraft.demo import real_target
+    from flashdraft.model import target
+    from flashdraft.train import trainer as trainer_module
+
+    scale = dataclasses.replace(real_target.CPU, drafter_minutes=10.0)
+    monkeypatch.setattr(real_target, "smollm2_gguf", lambda: tmp_path / "x.gguf")
+    monkeypatch.setattr(real_target, "gguf_to_hf", lambda gguf, out: out)
+
+    class Tokenizer:
+        def convert_tokens_to_ids(self, token):
+            return 7
+
+    monkeypatch.setattr(target, "load_tokenizer", lambda path: Tokenizer())
+    calls = []
+
+    class Trainer:
+        step, stream = 40, [type("Micro", (), {"num_tokens": 100})()] * 90
+
+        def run(self, deadline=None, until=None):
+            calls.append((deadline, until))
+            return trainer_module.TrainResult(90, 0.5, 9.0, tmp_path / "run" / "checkpoints" / "step_000090")
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(trainer_module, "build_trainer", lambda *a, **k: Trainer())
+    turns = [{"id": f"synth-{i}", "messages": [{"role": "user", "content": "q"}]} for i in range(20)]
+    (tmp_path / "prompts.chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in turns))
+    plan = {"step_s": 0.5, "startup_s": 5.0, "available": 10_000}
+    summary = {"scale": json.loads(json.dumps(dataclasses.asdict(scale))), "seconds": {},
+               "stages": ["target", "prompts", "regenerate", "prepare"], "drafter_plan": plan}  # fmt: skip
+    (tmp_path / "summary.json").write_text(json.dumps(summary))
+
+    started = time.time()
+    result = real_target.run_real_target(tmp_path, 2.0, scale)
+    ((deadline, until),) = calls
+    assert until is None and started + 120 - real_target.SLICE_END_S - 1 < deadline
+    assert deadline < time.time() + 120 - real_target.SLICE_END_S
+    assert result["drafter_plan"]["steps"] == 1200 and result["drafter_steps"] == 90  # 10 minutes at 0.5 s
+    assert "drafter" not in result["stages"] and result["drafter_tokens"] == 9000

@@ -62,6 +62,41 @@ def test_a_run_trained_in_slices_with_until_ends_equal_to_the_whole_run(tmp_path
     assert steps == [2, 3, 4, 6]  # the slice's last step is logged once; the log goes on after it
 
 
+def test_a_slice_stops_on_its_deadline_with_a_checkpoint_that_resumes_to_the_whole_run(
+    tmp_path, tiny_target_dir, data_dir, monkeypatch
+):
+    import dataclasses
+    import time
+
+    whole = build_trainer(_cfg(), tiny_target_dir, data_dir, tmp_path / "whole", device="cpu")
+    whole.run()
+    out = tmp_path / "sliced"
+    first = build_trainer(_cfg(), tiny_target_dir, data_dir, out, device="cpu")
+    late, real, step = [0.0], time.time, first.train_step_guarded
+
+    def train_step_guarded():  # the clock passes the deadline during step 3
+        stats = step()
+        late[0] = 1e7 if first.step == 3 else 0.0
+        return stats
+
+    monkeypatch.setattr(first, "train_step_guarded", train_step_guarded)
+    monkeypatch.setattr(time, "time", lambda: real() + late[0])
+    part = first.run(deadline=real() + 1e6)
+    monkeypatch.undo()
+    assert part.steps == first.step == 3 and not (out / "result.json").exists()
+    assert (out / "checkpoints" / "LATEST").read_text().strip() == "step_000003"
+    first.close()
+    second = build_trainer(_cfg(), tiny_target_dir, data_dir, out, device="cpu", resume=True)
+    assert second.run(deadline=time.time() + 1e6).steps == 6
+    expected, got = _weights(whole), _weights(second)
+    assert all(torch.equal(got[k], expected[k]) for k in expected)
+    steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [2, 3, 4, 6]  # the step it stopped at is logged
+    second.topo = dataclasses.replace(second.topo, world_size=2)
+    with pytest.raises(ValueError, match="cannot stop on the clock"):
+        second.run(deadline=time.time())
+
+
 def test_resume_refuses_a_changed_model_or_data_stream(tmp_path, tiny_target_dir, data_dir):
     out = tmp_path / "run"
     t = build_trainer(_cfg(), tiny_target_dir, data_dir, out, device="cpu")

@@ -15,8 +15,9 @@ Stages, each written under OUT and skipped when a later run finds its output com
 5. drafter: `flashdraft train` for the time left before the evals, at the step time measured here
    (three calibration steps); the evals' time is planned from the target's decoding step and verify
    forward, timed on this machine in stage 2 (at the worst case, a cycle that accepts nothing). With
-   `drafter_minutes` the run is planned for that long and trained in slices (`run(until=...)`), each
-   call resuming the last one's checkpoint, until it is done;
+   `drafter_minutes` the run is planned for that long and trained in slices, each call resuming the
+   last one's checkpoint, until it is done; every call's steps end on the clock (`run(deadline=...)`),
+   with the time to save, report and evaluate still left;
 6. eval: `flashdraft eval`'s report (DFlash, n-gram, plain decoding) at T = 0 (and T = 1) on HumanEval
    and on the held-out prompts; a report starts only when the call has time left for the longest one
    timed so far, else the next call goes on from it;
@@ -215,6 +216,7 @@ def probe_tau(run_dir: Path) -> list[list[float]]:
 
 STAGES = ("target", "prompts", "regenerate", "prepare", "drafter", "eval", "reference")
 PROBE_S = 10.0  # seconds planned for one tau probe (two took 19 s in the 95M proof on the H200)
+SLICE_END_S = 20.0  # a probe falling due at the deadline (4-7 s on the H200), the checkpoint, the summary
 
 
 def run_real_target(
@@ -361,19 +363,19 @@ def run_real_target(
             steps = min(plan["available"], max(10, int(60 * scale.drafter_minutes / step_s)))
         steps = plan.setdefault("steps", steps)
         settings = drafter_settings(scale, tokenizer, probe_path, steps)
-        if scale.probes and scale.drafter_minutes is not None:  # this slice's probes
-            left -= PROBE_S * (left / step_s / settings["eval_every"] + 1)
         cfg = resolve_config(scale.preset, **settings, max_steps=steps)
         run_dir = out / "run"
         resume = (run_dir / "checkpoints" / "LATEST").is_file()
         paths = (str(target_dir), str(data_dir), str(run_dir))
         trainer = build_trainer(cfg, *paths, scale.device, resume=resume, overwrite=not resume)
-        until = min(steps, trainer.step + max(1, int(left / step_s)))
+        # the steps of this call end on the clock, leaving the time to save and report (session 26
+        # planned them from the timed step, which ran 7% slower over the call, and was killed unsaved)
+        deadline = clock.start + budget - eval_s - SLICE_END_S
         with console.status(
-            f"the drafter trains steps {trainer.step + 1}-{until} of {steps} ({step_s:.3f} s a step): "
-            "flashdraft train"
+            f"the drafter trains from step {trainer.step + 1} of {steps} ({step_s:.3f} s a step) until "
+            f"{time.strftime('%H:%M:%S', time.localtime(deadline))}: flashdraft train"
         ):
-            result = trainer.run(until=until)
+            result = trainer.run(deadline=deadline)
         tokens = sum(trainer.stream[m].num_tokens for m in range(result.steps))  # one micro-batch a step
         trainer.close()
         drafter = {

@@ -636,13 +636,24 @@ class Trainer:
         feats = lambda batch, plain: target_features(self.target, batch, plain)  # noqa: E731
         serve_features(self.topo, feats, self.stream, until * per_step, self.message_shape(), start)
 
-    def run(self, progress=None, until: int | None = None) -> TrainResult | None:
+    def run(
+        self, progress=None, until: int | None = None, deadline: float | None = None
+    ) -> TrainResult | None:
         """Train to `total_steps`; checkpoints every `save_every` steps and at the end (main rank).
 
         until: stop after this step instead, with a checkpoint that `--resume` continues from (a slice of
-        the run, for allocations shorter than the run); the schedule stays that of `total_steps`."""
+        the run, for allocations shorter than the run); the schedule stays that of `total_steps`.
+        deadline: a `time.time()` after which the run stops the same way, after the step (and its probe)
+        in progress: a slice that ends on the clock rather than on a step count estimated from a timed step,
+        which ran 7% slow over a 9-minute slice on the H200 (session 26) and was killed before it saved.
+        One process only: ranks would pass the deadline at different steps."""
         if until is not None and not self.step < until <= self.total_steps:
             raise ValueError(f"until={until}: must lie after step {self.step} and by {self.total_steps}")
+        if deadline is not None and self.topo.world_size > 1:
+            raise ValueError(
+                f"deadline: a run of {self.topo.world_size} processes cannot stop on the clock (its ranks "
+                "would stop at different steps); give it `until` instead"
+            )
         until = until or self.total_steps  # a run resumed at its end saves and reports again
         if not self.topo.is_drafter:
             self.serve(until)
@@ -650,12 +661,12 @@ class Trainer:
         if self.device.type == "cuda":  # mem_gib is this run's peak, not that of what the process did first
             torch.cuda.reset_peak_memory_stats()
         try:
-            return self._run(progress, until)
+            return self._run(progress, until, deadline)
         finally:
             if self.compiled:
                 reset_stance()
 
-    def _run(self, progress, until: int) -> TrainResult:
+    def _run(self, progress, until: int, deadline: float | None) -> TrainResult:
         cfg = self.cfg
         main = self.topo.is_main
         log = None
@@ -675,6 +686,7 @@ class Trainer:
                 stats = self.train_step_guarded()
                 step = self.step
                 window.add(stats)
+                late = deadline is not None and time.time() >= deadline and step < until
                 if step == 1:
                     first = float(self.topo.drafter_sum_(stats.loss_sum.clone()) / stats.weight_sum)
                 if self.tau_probe is not None and (step % cfg.eval_every == 0 or step == self.total_steps):
@@ -683,7 +695,7 @@ class Trainer:
                     (cfg.val_every and step % cfg.val_every == 0) or step == self.total_steps
                 ):
                     self.pending |= self.validate()
-                if step % cfg.log_every == 0 or step in (until, self.total_steps):
+                if step % cfg.log_every == 0 or step in (until, self.total_steps) or late:
                     m = self._metrics(stats, window)
                     last = m["loss"]
                     if main:
@@ -701,13 +713,15 @@ class Trainer:
                     raise Interrupted(
                         f"interrupted after step {step}: saved {path}; --resume {self.out} continues"
                     )
+                if late:  # saved below
+                    break
                 if saving:
                     self.save()
         ckpt = self.save()
-        if until < self.total_steps:
+        if self.step < self.total_steps:
             if main:
                 log.close()
-            return TrainResult(until, last, first, ckpt)
+            return TrainResult(self.step, last, first, ckpt)
         if main:
             log.close()
             finite = {
