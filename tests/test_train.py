@@ -451,6 +451,22 @@ def test_train_until_stops_with_a_checkpoint_that_resume_continues(tmp_path, tin
     assert rest.exit_code == 0 and "done: 4 steps" in rest.output, rest.output
 
 
+def test_train_max_minutes_stops_on_the_clock_with_a_checkpoint_that_resume_continues(
+    tmp_path, tiny_target_dir, tiny_tokenizer
+):
+    """--max-minutes 0: the deadline has passed when the first step ends, so the run stops there, saved."""
+    data = _token_data(tmp_path / "data", tiny_tokenizer, [70, 90, 120, 60, 100, 80] * 2, seed=5)
+    run = tmp_path / "run"
+    args = ["train", "--target", str(tiny_target_dir), "--data", str(data), "--preset", "tiny_cpu"]
+    args += ["--max-steps", "4"]
+    first = CliRunner().invoke(app, [*args, "--out", str(run), "--max-minutes", "0"])
+    assert first.exit_code == 0, first.output
+    assert "stopped at step 1 of 4 (--max-minutes)" in first.output
+    assert (run / "checkpoints" / "LATEST").read_text().strip() == "step_000001"
+    rest = CliRunner().invoke(app, [*args, "--resume", str(run), "--max-minutes", "60"])
+    assert rest.exit_code == 0 and "done: 4 steps" in rest.output, rest.output
+
+
 @pytest.mark.parametrize(
     "over, loaded",
     [({}, "last tap"), ({"distill": 0.5}, "all"), ({"drafter.target_layer_ids": [0, 2]}, "last tap")],

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from pathlib import Path
 
 import typer
@@ -39,6 +40,13 @@ def train(
         None,
         help="stop after this step with a checkpoint that --resume continues (a slice of the run, for an "
         "allocation shorter than it: the schedule is the whole run's)",
+    ),
+    max_minutes: float | None = typer.Option(
+        None,
+        min=0.0,
+        help="stop as --until does once this many minutes have passed since the command started (the step "
+        "in progress and its probe finish, then the checkpoint is written): a slice that fits a time "
+        "allocation whatever a step costs on the machine; one process only",
     ),
     seed: int | None = typer.Option(None, help="random seed"),
     device: str | None = typer.Option(None, help="cpu or cuda (default: cuda when visible)"),
@@ -94,6 +102,7 @@ def train(
     Multi-GPU: `--nproc N`, or under torchrun (one process per GPU; multi-node through torchrun's
     rendezvous with no other change).
     """
+    started = time.time()  # --max-minutes counts from here
     if plan:
         world = nproc or int(os.environ.get("WORLD_SIZE", "1"))
         _print_plan(preset, config, target, layout, world, fsdp, target_parallel)
@@ -141,13 +150,19 @@ def train(
         trainer = build(cfg)
         if until is not None and not trainer.step < until <= trainer.total_steps:
             raise ValueError(f"--until {until}: the run is at step {trainer.step} of {trainer.total_steps}")
+        if max_minutes is not None and trainer.topo.world_size > 1:
+            raise ValueError(
+                f"--max-minutes: a run of {trainer.topo.world_size} processes cannot stop on the clock (its "
+                "ranks would stop at different steps); give it --until instead"
+            )
     except (ValueError, OSError) as e:
         _fail(str(e))
     from flashdraft.train.state import MirrorIncomplete, NonFiniteError
     from flashdraft.train.trainer import Interrupted
 
     try:
-        result = _run_with_progress(trainer, cfg.log_every, until)
+        deadline = None if max_minutes is None else started + 60 * max_minutes
+        result = _run_with_progress(trainer, cfg.log_every, until, deadline)
     except Interrupted as e:
         trainer.close()
         _fail(str(e), code=130)
@@ -163,7 +178,8 @@ def train(
         _fail(f"{e}; the last complete checkpoint: {last or 'none'}", code=1)
     if result is not None and trainer.topo.is_main and result.steps < trainer.total_steps:
         typer.echo(
-            f"stopped at step {result.steps} of {trainer.total_steps} (--until): checkpoint "
+            f"stopped at step {result.steps} of {trainer.total_steps} "
+            f"({'--until' if result.steps == until else '--max-minutes'}): checkpoint "
             f"{result.checkpoint}; --resume {out} continues"
         )
     elif result is not None and trainer.topo.is_main:
@@ -237,10 +253,10 @@ def _launch(nproc: int) -> None:
     torchrun(["--standalone", f"--nproc-per-node={nproc}", "-m", "flashdraft.cli.main", *cleaned])
 
 
-def _run_with_progress(trainer, every: int, until: int | None = None):
+def _run_with_progress(trainer, every: int, until: int | None = None, deadline: float | None = None):
     """A rich progress bar on an interactive terminal (main rank), plain lines otherwise."""
     if not (sys.stderr.isatty() and trainer.topo.is_main):
-        return trainer.run(progress=_print_progress(every), until=until)
+        return trainer.run(progress=_print_progress(every), until=until, deadline=deadline)
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
     columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn()]
@@ -249,6 +265,7 @@ def _run_with_progress(trainer, every: int, until: int | None = None):
         return trainer.run(
             progress=lambda s, n, loss: bar.update(task, completed=s, description=f"loss {loss:.4f}"),
             until=until,
+            deadline=deadline,
         )
 
 
