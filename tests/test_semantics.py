@@ -279,6 +279,24 @@ def test_loader_batches_lay_documents_end_to_end_as_a_token_loop_would(tmp_path)
             assert got.doc_ids[r].tolist() == doc + [-1] * pad
 
 
+def test_a_stream_packs_only_the_epochs_a_count_up_to_a_limit_needs(tmp_path):
+    """`upto(limit)` is min(len, limit) without packing every epoch (a run of 100 epochs whose length
+    max_steps sets packed them all at each start: 36 s); a stored `length` column gives the lengths."""
+    from flashdraft.data.packing import MicroBatchStream, PackedLoader, load_token_dataset, save_token_dataset
+
+    lengths = [5, 64, 17, 90, 3, 40, 33, 8, 71, 26, 12, 50]
+    docs = [{"input_ids": [1] * n, "loss_mask": [1] * n, "length": n} for n in lengths]
+    save_token_dataset(docs, tmp_path)
+    loader = PackedLoader(load_token_dataset(tmp_path), seq_len=64, rows_per_batch=2, pad_token_id=0, seed=3)
+    assert loader.lengths == lengths
+    stream = MicroBatchStream(loader, epochs=50)
+    first = loader.batches_in_epoch(0)
+    assert stream.upto(first) == first and len(stream._per_epoch) == 1
+    assert stream.upto(first + 1) == first + 1 and len(stream._per_epoch) == 2
+    whole = len(MicroBatchStream(loader, epochs=50))
+    assert stream.upto(10**9) == whole and len(stream._per_epoch) == 50
+
+
 def test_training_tau_counts_correct_slots_up_to_the_first_miss():
     """Block 4 (slots 1..3 have labels); logits = hidden through an identity lm_head, so hits are chosen."""
     from flashdraft.train.loss import block_loss

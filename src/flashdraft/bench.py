@@ -180,6 +180,9 @@ class SyntheticStream:
     def __len__(self) -> int:
         return 2**31  # endless: the run's length is its max_steps
 
+    def upto(self, limit: int) -> int:
+        return min(len(self), limit)
+
     def __getitem__(self, m: int) -> PackedBatch:
         b, s = self.rows, self.seq_len
         ids = torch.randint(0, self.vocab, (b, s), generator=torch.Generator().manual_seed(m))

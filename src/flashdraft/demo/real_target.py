@@ -352,7 +352,8 @@ def run_real_target(
             _write_lines(probe_path, [r for group in zip(*by_kind, strict=True) for r in group])
         if "drafter_plan" not in summary:
             calibration = drafter_settings(scale, tokenizer, probe_path, None)
-            summary["drafter_plan"] = _calibrate(scale, calibration, target_dir, data_dir, out)
+            seconds = 60 * scale.drafter_minutes if scale.drafter_minutes is not None else budget
+            summary["drafter_plan"] = _calibrate(scale, calibration, target_dir, data_dir, out, seconds)
         plan = summary["drafter_plan"]
         step_s, startup_s = plan["step_s"], plan["startup_s"]
         left = budget - clock.since_start() - eval_s - startup_s
@@ -473,9 +474,12 @@ def seed_from_packed(out: Path) -> dict:
     return kept
 
 
-def _calibrate(scale: RealScale, settings: dict, target_dir: Path, data_dir: Path, out: Path) -> dict:
+def _calibrate(
+    scale: RealScale, settings: dict, target_dir: Path, data_dir: Path, out: Path, seconds: float
+) -> dict:
     """The drafter's start-up and step time on this machine, timed on a throwaway run, and the steps the
-    data holds."""
+    data holds, counted up to what `seconds` of steps could use (the proof's 100 epochs are not all
+    packed to count them)."""
     from flashdraft.config import resolve_config
     from flashdraft.train.trainer import build_trainer
 
@@ -491,7 +495,7 @@ def _calibrate(scale: RealScale, settings: dict, target_dir: Path, data_dir: Pat
         probe.train_step()
     _synchronize()
     step_s = (time.time() - t1) / scale.calibration_steps
-    available = len(probe.stream)
+    available = probe.stream.upto(int(seconds / step_s) + 10)
     probe.close()
     return {"step_s": step_s, "startup_s": startup_s, "available": available}
 

@@ -420,10 +420,9 @@ def build(config: RunConfig, source: RunSource | None = None) -> Trainer:
         saved = yaml.safe_load((out / "config.yaml").read_text()) or {}
         check_resume_record(saved.get("record") or saved, record, out)  # top level: older runs
     per_step = cfg.grad_accum * topo.num_drafters
-    if len(stream) < per_step:
-        raise ValueError(
-            f"{run.data}: too little data for one step ({len(stream)} batches, {per_step} needed)"
-        )
+    held = stream.upto(per_step)  # the whole length only when max_steps does not set it
+    if held < per_step:
+        raise ValueError(f"{run.data}: too little data for one step ({held} batches, {per_step} needed)")
     total_steps = cfg.max_steps or len(stream) // per_step
     val = batches.val
     meta = record
