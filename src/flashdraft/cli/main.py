@@ -150,18 +150,14 @@ def train(
         trainer = build(cfg)
         if until is not None and not trainer.step < until <= trainer.total_steps:
             raise ValueError(f"--until {until}: the run is at step {trainer.step} of {trainer.total_steps}")
-        if max_minutes is not None and trainer.topo.world_size > 1:
-            raise ValueError(
-                f"--max-minutes: a run of {trainer.topo.world_size} processes cannot stop on the clock (its "
-                "ranks would stop at different steps); give it --until instead"
-            )
+        deadline = None if max_minutes is None else started + 60 * max_minutes
+        trainer.check_slice(None, deadline)
     except (ValueError, OSError) as e:
         _fail(str(e))
     from flashdraft.train.state import MirrorIncomplete, NonFiniteError
     from flashdraft.train.trainer import Interrupted
 
     try:
-        deadline = None if max_minutes is None else started + 60 * max_minutes
         result = _run_with_progress(trainer, cfg.log_every, until, deadline)
     except Interrupted as e:
         trainer.close()

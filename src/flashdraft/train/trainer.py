@@ -646,13 +646,7 @@ class Trainer:
         in progress: a slice that ends on the clock rather than on a step count estimated from a timed step,
         which ran 7% slow over a 9-minute slice on the H200 (session 26) and was killed before it saved.
         One process only: ranks would pass the deadline at different steps."""
-        if until is not None and not self.step < until <= self.total_steps:
-            raise ValueError(f"until={until}: must lie after step {self.step} and by {self.total_steps}")
-        if deadline is not None and self.topo.world_size > 1:
-            raise ValueError(
-                f"deadline: a run of {self.topo.world_size} processes cannot stop on the clock (its ranks "
-                "would stop at different steps); give it `until` instead"
-            )
+        self.check_slice(until, deadline)
         until = until or self.total_steps  # a run resumed at its end saves and reports again
         if not self.topo.is_drafter:
             self.serve(until)
@@ -664,6 +658,16 @@ class Trainer:
         finally:
             if self.compiled:
                 reset_stance()
+
+    def check_slice(self, until: int | None, deadline: float | None) -> None:
+        """ValueError unless `run(until=..., deadline=...)` can run that slice of this run."""
+        if until is not None and not self.step < until <= self.total_steps:
+            raise ValueError(f"until={until}: must lie after step {self.step} and by {self.total_steps}")
+        if deadline is not None and self.topo.world_size > 1:
+            raise ValueError(
+                f"a run of {self.topo.world_size} processes cannot stop on the clock (its ranks would stop "
+                "at different steps): give it a step to stop at instead"
+            )
 
     def _run(self, progress, until: int, deadline: float | None) -> TrainResult:
         cfg = self.cfg
