@@ -436,11 +436,15 @@ def test_attention_is_flex_on_a_gpu_dense_on_a_cpu_and_a_flex_head_below_16_is_r
         resolve_attention("auto", cuda, 8)
 
 
-def test_train_until_stops_with_a_checkpoint_that_resume_continues(tmp_path, tiny_target_dir, tiny_tokenizer):
+def _four_step_run(tmp_path, tiny_target_dir, tiny_tokenizer):
+    """`flashdraft train` arguments of a 4-step CPU run on small data, and its run directory."""
     data = _token_data(tmp_path / "data", tiny_tokenizer, [70, 90, 120, 60, 100, 80] * 2, seed=5)
-    run = tmp_path / "run"
     args = ["train", "--target", str(tiny_target_dir), "--data", str(data), "--preset", "tiny_cpu"]
-    args += ["--max-steps", "4"]
+    return [*args, "--max-steps", "4"], tmp_path / "run"
+
+
+def test_train_until_stops_with_a_checkpoint_that_resume_continues(tmp_path, tiny_target_dir, tiny_tokenizer):
+    args, run = _four_step_run(tmp_path, tiny_target_dir, tiny_tokenizer)
     first = CliRunner().invoke(app, [*args, "--out", str(run), "--until", "2"])
     assert first.exit_code == 0, first.output
     assert "stopped at step 2 of 4 (--until)" in first.output and f"--resume {run} continues" in first.output
@@ -455,10 +459,7 @@ def test_train_max_minutes_stops_on_the_clock_with_a_checkpoint_that_resume_cont
     tmp_path, tiny_target_dir, tiny_tokenizer
 ):
     """--max-minutes 0: the deadline has passed when the first step ends, so the run stops there, saved."""
-    data = _token_data(tmp_path / "data", tiny_tokenizer, [70, 90, 120, 60, 100, 80] * 2, seed=5)
-    run = tmp_path / "run"
-    args = ["train", "--target", str(tiny_target_dir), "--data", str(data), "--preset", "tiny_cpu"]
-    args += ["--max-steps", "4"]
+    args, run = _four_step_run(tmp_path, tiny_target_dir, tiny_tokenizer)
     first = CliRunner().invoke(app, [*args, "--out", str(run), "--max-minutes", "0"])
     assert first.exit_code == 0, first.output
     assert "stopped at step 1 of 4 (--max-minutes)" in first.output

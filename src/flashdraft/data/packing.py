@@ -159,8 +159,9 @@ class PackedLoader:
         self.pad_token_id = pad_token_id
         self.seed = seed
         # from the Arrow column: `list(dataset["length"])` formats every row (6 s for 131K documents)
-        column = self.arrow["length"] if "length" in dataset.column_names else None
-        if column is None:
+        if "length" in dataset.column_names:
+            column = self.arrow["length"]
+        else:
             import pyarrow.compute as pc
 
             column = pc.list_value_length(self.arrow["input_ids"])
