@@ -352,8 +352,8 @@ def run_real_target(
             _write_lines(probe_path, [r for group in zip(*by_kind, strict=True) for r in group])
         if "drafter_plan" not in summary:
             calibration = drafter_settings(scale, tokenizer, probe_path, None)
-            seconds = 60 * scale.drafter_minutes if scale.drafter_minutes is not None else budget
-            summary["drafter_plan"] = _calibrate(scale, calibration, target_dir, data_dir, out, seconds)
+            drafter_s = 60 * scale.drafter_minutes if scale.drafter_minutes is not None else budget
+            summary["drafter_plan"] = _calibrate(scale, calibration, target_dir, data_dir, out, drafter_s)
         plan = summary["drafter_plan"]
         step_s, startup_s = plan["step_s"], plan["startup_s"]
         left = budget - clock.since_start() - eval_s - startup_s
