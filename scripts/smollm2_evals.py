@@ -1,21 +1,24 @@
-"""The SmolLM2 proof's evals on this machine's CPU, from what a GPU run sent back: its packed prompts and
-answers (`proofdata.tgz.part-*`) and its drafter (`drafter.tgz.part-*`, scripts/smollm2_gpu.sh).
+"""The SmolLM2 proof's evals from what a GPU run sent back, on this machine's CPU or on a GPU: its packed
+prompts and answers (`proofdata.tgz.part-*`) and its drafter (`drafter.tgz.part-*`, scripts/smollm2_gpu.sh).
 
 For the reports a GPU call did not reach (its device time ran out): the same prompts (HumanEval's first
 --humaneval problems, the held-out synthesized turns of --prompts), the same 192 new tokens, the same
-`flashdraft eval` comparison (plain decoding, DFlash, n-gram), on the CPU. Tau is a property of the
+`flashdraft eval` comparison (plain decoding, DFlash, n-gram). Tau is a property of the
 drafter and the target, not of the machine, up to bf16 rounding (which can flip a near-tie of the greedy
 path: `--calibrate N` decodes HumanEval's first N at T = 0 here, to set beside the GPU's report on the
 same prompts); tokens/s and speedup are the CPU's and say nothing of the GPU's. `--reference N` decodes
 HumanEval's first N at T = 0 with the reference `dflash` package on the z-lab export and counts the
 prompts where its tau equals ours (our tau from the --calibrate report, on this machine). Each report is
-written to OUT/eval/ when done; the same command skips those there. A CPU report of 64 prompts takes
+written to OUT/eval/ when done; the same command skips those there. `--data` is needed only for the
+held-out reports. `--device cuda` decodes as the proof's eval stage does (bf16, CUDA graphs): a drafter
+whose run lost its call before the evals is served on the GPU in a call of its own
+(`scripts/smollm2_gpu.sh evals`). A CPU report of 64 prompts takes
 over an hour with all three methods (session 25: 1.3 minutes a HumanEval prompt): `--dflash-only`
 decodes DFlash alone (the n-gram baseline's tau does not depend on the drafter: a GPU report of the same
 prompts and seeds has it; `--ngram-only` decodes it alone where none has) and `--first N` takes each
 report's first N prompts.
 
-    python scripts/smollm2_cpu_evals.py --data DIR_OF_PROOFDATA_PARTS --drafter DIR_OF_DRAFTER_PARTS \
+    python scripts/smollm2_evals.py --data DIR_OF_PROOFDATA_PARTS --drafter DIR_OF_DRAFTER_PARTS \
         --out runs/cpu_evals --prompts 24576 --report humaneval_t1 --report held_out_t0 --calibrate 32 \
         --reference 32
 """
@@ -60,7 +63,7 @@ def unpack(parts_dir: Path, stem: str, into: Path) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--data", type=Path, required=True, help="folder of proofdata.tgz.part-*")
+    ap.add_argument("--data", type=Path, help="folder of proofdata.tgz.part-* (the held-out reports)")
     ap.add_argument("--drafter", type=Path, required=True, help="folder of drafter.tgz.part-*")
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--prompts", type=int, required=True, help="the GPU run's --prompts (held-out split)")
@@ -71,26 +74,30 @@ def main() -> None:
     ap.add_argument("--dflash-only", action="store_true", help="the --report reports decode DFlash alone")
     ap.add_argument("--ngram-only", action="store_true", help="the --report reports decode n-gram alone")
     ap.add_argument("--first", type=int, help="each --report report's first N prompts")
+    ap.add_argument("--device", default="cpu", help="cpu, or cuda (bf16 and CUDA graphs, as the proof)")
     args = ap.parse_args()
 
     out = args.out
-    if not (out / "data").is_dir():
+    if args.data and not (out / "data").is_dir():
         unpack(args.data, "proofdata.tgz", out / "data")
     if not (out / "drafter").is_dir():
         unpack(args.drafter, "drafter.tgz", out / "drafter")
     (checkpoint,) = (out / "drafter").iterdir()
     target_dir = gguf_to_hf(smollm2_gguf(), out / "target")
     count = args.prompts + H200.held_out
-    scale = dataclasses.replace(H200, device="cpu", cuda_graphs=False, prompts=count, code_prompts=count)
-    _, held = prompt_split(out / "data", scale)
-    sets = {"humaneval": humaneval_prompts()[: args.humaneval], "held_out": held}
+    cuda = args.device == "cuda"
+    scale = dataclasses.replace(H200, device=args.device, cuda_graphs=cuda, prompts=count, code_prompts=count)
+    sets = {"humaneval": humaneval_prompts()[: args.humaneval]}
+    if (out / "data").is_dir():
+        sets["held_out"] = prompt_split(out / "data", scale)[1]
     sets = {k: v[: args.first] for k, v in sets.items()}
     sets["calibrate"] = humaneval_prompts()[: args.calibrate]
     reports = list(args.report) + (["calibrate_t0"] if args.calibrate else [])
     for key in reports:
         name, _, t = key.rpartition("_t")
         if name not in sets or t not in ("0", "1"):
-            raise SystemExit(f"--report {key}: one of {sorted(sets)} followed by _t0 or _t1")
+            known = sorted(sets)  # held_out with --data
+            raise SystemExit(f"--report {key}: one of {known} followed by _t0 or _t1 (held_out: --data)")
         path = out / "eval" / f"{key}.json"
         alone = "dflash" if args.dflash_only else "ngram" if args.ngram_only else None
         methods = (alone,) if alone and key != "calibrate_t0" else METHODS
@@ -100,7 +107,7 @@ def main() -> None:
             started = time.time()
             report = compare_methods(
                 target_dir, checkpoint, [r["messages"] for r in sets[name]], scale.eval_tokens, float(t),
-                device="cpu", methods=methods,
+                device=args.device, cuda_graphs=cuda, methods=methods,
             )  # fmt: skip
             report["wall_s"] = round(time.time() - started, 1)
             if methods == METHODS:
