@@ -8,7 +8,8 @@ drafter and the target, not of the machine, up to bf16 rounding (which can flip 
 path: `--calibrate N` decodes HumanEval's first N at T = 0 here, to set beside the GPU's report on the
 same prompts); tokens/s and speedup are the CPU's and say nothing of the GPU's. `--reference N` decodes
 HumanEval's first N at T = 0 with the reference `dflash` package on the z-lab export and counts the
-prompts where its tau equals ours (our tau from the --calibrate report, on this machine). Each report is
+prompts where its tau equals ours (our tau from the --calibrate report, on this machine; with
+--dflash-only that report decodes DFlash alone). Each report is
 written to OUT/eval/ when done; the same command skips those there. `--data` is needed only for the
 held-out reports. `--device cuda` decodes as the proof's eval stage does (bf16, CUDA graphs): a drafter
 whose run lost its call before the evals is served on the GPU in a call of its own
@@ -100,7 +101,7 @@ def main() -> None:
             raise SystemExit(f"--report {key}: one of {known} followed by _t0 or _t1 (held_out: --data)")
         path = out / "eval" / f"{key}.json"
         alone = "dflash" if args.dflash_only else "ngram" if args.ngram_only else None
-        methods = (alone,) if alone and key != "calibrate_t0" else METHODS
+        methods = (alone,) if alone and not (key == "calibrate_t0" and alone == "ngram") else METHODS
         if methods != METHODS:
             path = path.with_name(f"{key}_{alone}.json")
         if not path.is_file():
@@ -122,7 +123,11 @@ def main() -> None:
         else:
             print(f"{name}, T = {t}, {alone} alone:", report[alone]["tau"])
     if args.reference:
-        ours = json.loads((out / "eval" / "calibrate_t0.json").read_text())["dflash"]["tau_per_sample"]
+        names = ("calibrate_t0.json", "calibrate_t0_dflash.json")  # all methods, or DFlash alone
+        calibrated = next((out / "eval" / n for n in names if (out / "eval" / n).is_file()), None)
+        if calibrated is None:
+            raise SystemExit(f"--reference: no {out / 'eval'}/calibrate_t0*.json; add --calibrate N")
+        ours = json.loads(calibrated.read_text())["dflash"]["tau_per_sample"]
         n = min(args.reference, len(ours))
         started = time.time()
         ref = reference_on_prompts(checkpoint, target_dir, out, sets["humaneval"][:n], scale, ours[:n])
