@@ -2,22 +2,20 @@
 prompts and answers (`proofdata.tgz.part-*`) and its drafter (`drafter.tgz.part-*`, scripts/smollm2_gpu.sh).
 
 For the reports a GPU call did not reach (its device time ran out): the same prompts (HumanEval's first
---humaneval problems, the held-out synthesized turns of --prompts), the same 192 new tokens, the same
-`flashdraft eval` comparison (plain decoding, DFlash, n-gram). Tau is a property of the
-drafter and the target, not of the machine, up to bf16 rounding (which can flip a near-tie of the greedy
-path: `--calibrate N` decodes HumanEval's first N at T = 0 here, to set beside the GPU's report on the
-same prompts); tokens/s and speedup are the CPU's and say nothing of the GPU's. `--reference N` decodes
-HumanEval's first N at T = 0 with the reference `dflash` package on the z-lab export and counts the
-prompts where its tau equals ours (our tau from the --calibrate report, on this machine; with
---dflash-only that report decodes DFlash alone). Each report is
-written to OUT/eval/ when done; the same command skips those there. `--data` is needed only for the
-held-out reports. `--device cuda` decodes as the proof's eval stage does (bf16, CUDA graphs): a drafter
-whose run lost its call before the evals is served on the GPU in a call of its own
-(`scripts/smollm2_gpu.sh evals`). A CPU report of 64 prompts takes
-over an hour with all three methods (session 25: 1.3 minutes a HumanEval prompt): `--dflash-only`
-decodes DFlash alone (the n-gram baseline's tau does not depend on the drafter: a GPU report of the same
-prompts and seeds has it; `--ngram-only` decodes it alone where none has) and `--first N` takes each
-report's first N prompts.
+--humaneval problems, the held-out synthesized turns of --prompts; `--data` is needed only for these),
+the same 192 new tokens, the same `flashdraft eval` comparison (plain decoding, DFlash, n-gram). Tau is
+a property of the drafter and the target, not of the machine, up to bf16 rounding (which can flip a
+near-tie of the greedy path: `--calibrate N` decodes HumanEval's first N at T = 0 here, to set beside
+the GPU's report on the same prompts); on a CPU, tokens/s and speedup say nothing of the GPU's.
+`--device cuda` decodes as the proof's eval stage does (bf16, CUDA graphs): a drafter whose run lost
+its call before the evals is served on the GPU in a call of its own (`scripts/smollm2_gpu.sh evals`).
+`--reference N` decodes HumanEval's first N at T = 0 with the reference `dflash` package on the z-lab
+export and counts the prompts where its tau equals ours (our tau from the --calibrate report, on this
+machine). Each report is written to OUT/eval/ when done; the same command skips those there. A CPU
+report of 64 prompts takes over an hour with all three methods (session 25: 1.3 minutes a HumanEval
+prompt): `--dflash-only` decodes DFlash alone, the --calibrate report too (the n-gram baseline's tau
+does not depend on the drafter: a GPU report of the same prompts and seeds has it; `--ngram-only`
+decodes it alone where none has) and `--first N` takes each report's first N prompts.
 
     python scripts/smollm2_evals.py --data DIR_OF_PROOFDATA_PARTS --drafter DIR_OF_DRAFTER_PARTS \
         --out runs/cpu_evals --prompts 24576 --report humaneval_t1 --report held_out_t0 --calibrate 32 \
