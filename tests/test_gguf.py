@@ -187,7 +187,7 @@ def test_the_smollm2_demo_names_the_package_it_needs(monkeypatch, tmp_path):
 
 
 def test_the_real_target_flow_continues_only_a_run_of_its_own_scale(tmp_path):
-    """OUT/summary.json records the scale; a later call on another scale is refused before any stage,
+    """OUT/summary.json records the scale; a later run on another scale is refused before any stage,
     as is a stage name that does not exist."""
     import dataclasses
 
@@ -206,7 +206,7 @@ def test_a_packed_proof_seeds_one_whose_data_stages_do_only_what_it_lacks(tmp_pa
     """seed_from_packed restores each temperature's answers (ids without the temperature, which
     regenerate_file then skips) and keeps only the target stage, so that prompts and regenerate run
     again on the files; a packed run without its data stages, or an id naming no temperature, is refused."""
-    from flashdraft.demo.real_target import seed_from_packed
+    from dev.packed import seed_from_packed
 
     def conversation(i, t):
         messages = [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"a{i} at {t}"}]
@@ -266,9 +266,9 @@ def test_the_proof_probes_tau_on_logged_steps_and_reads_them_back(tmp_path):
     assert probe_tau(tmp_path / "none") == []
 
 
-def test_the_reference_waits_for_a_call_with_the_time_it_needs(tmp_path, monkeypatch):
-    """After the evals, the reference package's run starts only when the call has the longest report's
-    time left (it once ran past a call's end, and the call's logs were lost); it then runs in the next."""
+def test_the_reference_waits_for_a_run_with_the_time_it_needs(tmp_path, monkeypatch):
+    """After the evals, the reference package's run starts only when the budget has the longest report's
+    time left, so that it ends within the budget; otherwise it runs in the next run of the flow."""
     import dataclasses
 
     from flashdraft.demo import real_target
@@ -298,16 +298,17 @@ def test_the_reference_waits_for_a_call_with_the_time_it_needs(tmp_path, monkeyp
     assert json.loads((tmp_path / "summary.json").read_text())["reference"] == {"tau": 3.0}
 
 
-def test_a_drafter_slice_ends_on_the_clock_with_time_to_save_and_goes_on_next_call(tmp_path, monkeypatch):
-    """With drafter_minutes, each call trains until a deadline that leaves SLICE_END_S (and the evals'
-    time) before the call's budget, rather than for a step count estimated from the timed step (session
-    26: the steps ran 7% slower than timed and the call was killed before it saved); a slice that stops
-    short of the run's steps is recorded and the next call resumes it."""
+def test_a_drafter_slice_ends_on_the_clock_with_time_to_save_and_goes_on_next_run(tmp_path, monkeypatch):
+    """With drafter_minutes, each run of the flow trains until a deadline that leaves SLICE_END_S (and the
+    evals' time) before its budget ends, rather than for a step count estimated from the timed step (which
+    can run slower over the run); a slice that stops short of the planned steps is recorded and the next
+    run resumes it."""
     import dataclasses
     import time
 
     from flashdraft.demo import real_target
     from flashdraft.model import target
+    from flashdraft.train import build as build_module
     from flashdraft.train import trainer as trainer_module
 
     scale = dataclasses.replace(real_target.CPU, drafter_minutes=10.0)
@@ -331,10 +332,10 @@ def test_a_drafter_slice_ends_on_the_clock_with_time_to_save_and_goes_on_next_ca
         def close(self):
             pass
 
-    monkeypatch.setattr(trainer_module, "build_trainer", lambda *a, **k: Trainer())
+    monkeypatch.setattr(build_module, "build_trainer", lambda *a, **k: Trainer())
     turns = [{"id": f"synth-{i}", "messages": [{"role": "user", "content": "q"}]} for i in range(20)]
     (tmp_path / "prompts.chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in turns))
-    plans = []  # the call that calibrates also trains and records (session 27 lost two slices there)
+    plans = []  # the run that calibrates also trains and records
 
     def calibrate(*args):
         plans.append(args[-1])  # the drafter's seconds

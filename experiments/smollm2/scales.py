@@ -1,8 +1,10 @@
-"""The SmolLM2-135M-Instruct proof's scales (scripts/smollm2_proof.py; the flow is
-flashdraft.demo.real_target, whose CPU scale is `flashdraft demo --target smollm2`)."""
+"""The SmolLM2-135M-Instruct proof's scales: H200 for one H200, SMOKE to check the flow on a CPU.
 
+The flow is flashdraft.demo.real_target, whose CPU scale `flashdraft demo --target smollm2` runs.
+"""
+
+from experiments.scratch_target.flow import H200_DRAFTER
 from flashdraft.demo.real_target import RealScale
-from recipes.proof import H200_DRAFTER
 
 H200 = RealScale(
     device="cuda",
@@ -27,9 +29,8 @@ H200 = RealScale(
     calibration_steps=5,
     cuda_graphs=True,
     reference_prompts=32,
-    # served tau at T = 0 while the drafter trains, on 16 held-out prompts of 96 tokens (CUDA graphs):
-    # logged in run/metrics.jsonl, which comes back every call, so a run that loses its machine still
-    # says where its tau stood (session 24 lost one with only training-batch metrics)
+    # served tau at T = 0 while the drafter trains, on 16 held-out prompts of 96 tokens (CUDA graphs),
+    # logged in run/metrics.jsonl: a run stopped before its evals still says where its tau stood
     probes=4,
     probe_prompts=16,
     probe_tokens=96,

@@ -1,4 +1,4 @@
-"""The proof script's flow at smoke scale on the CPU, so that it cannot rot between GPU sessions."""
+"""The scratch-target proof's flow at smoke scale on the CPU, so that it keeps working between GPU runs."""
 
 import dataclasses
 import json
@@ -6,8 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from flashdraft.eval.spec import mean_tau
-from recipes.proof import (
+from experiments.scratch_target.flow import (
     H200,
     SMOKE,
     VARIANTS,
@@ -16,6 +15,7 @@ from recipes.proof import (
     with_drafter_overrides,
     with_scale_overrides,
 )
+from flashdraft.eval.spec import mean_tau
 
 pytestmark = pytest.mark.slow
 
@@ -99,7 +99,7 @@ def test_the_proof_runs_every_stage_and_the_reference_package_agrees(tmp_path):
 
 
 def test_the_drafter_budget_leaves_room_for_the_evals():
-    # attempt 5 had 306 s left after the data stages and planned as if the evals were free
+    # 306 s left after the data stages: the drafter's steps leave the evals their time
     steps = drafter_steps(306, H200)
     assert H200.drafter_startup_s + steps * H200.drafter_step_s + H200.proof_eval_s <= 306
     assert drafter_steps(306 + 10 * H200.drafter_step_s, H200) == steps + 10
@@ -138,8 +138,8 @@ def test_a_drafter_runs_throughput_is_its_median_interval_not_the_last(tmp_path)
     import subprocess
     import sys
 
+    from experiments.scratch_target.flow import DrafterRun, finish_drafter
     from flashdraft.model.checkpoint import LATEST
-    from recipes.proof import DrafterRun, finish_drafter
 
     (tmp_path / "checkpoints").mkdir()
     (tmp_path / "checkpoints" / LATEST).write_text("step_000003\n")

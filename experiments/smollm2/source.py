@@ -1,13 +1,14 @@
-"""A source drafter for the `--init-from` row of the recipe table: trained on one kind of a SmolLM2 proof's
+"""A source drafter for the warm-start row of the recipe comparison: trained on one kind of a SmolLM2 proof's
 conversations only (the chat half by default), so that the comparison's warm start fine-tunes a drafter made
 for other data, as a user fine-tunes a released drafter for their own target's traffic.
 
-    python scripts/smollm2_source.py --proof /root/keep/proof --out SOURCE --steps 500
-    python scripts/compare_recipes.py --out OUT --smollm2 /root/keep/proof --steps 1000 --variant scratch \\
+    python -m experiments.smollm2.source --proof PROOF --out SOURCE --steps 500
+    flashdraft compare --out OUT $(python -m experiments.smollm2.compare_args PROOF) --steps 1000 \\
+        --variant scratch \\
         --variant warm:init_from=SOURCE/run/checkpoints/step_000500,optim.lr=1e-4,optim.warmup_ratio=0.01
 
 Prepares OUT/data from the kind's conversations (as the proof's prepare stage does), trains the proof's
-drafter settings (`recipes.smollm2.H200`) for --steps, and prints the last checkpoint.
+drafter settings (`experiments.smollm2.scales.H200`) for --steps, and prints the last checkpoint.
 """
 
 from __future__ import annotations
@@ -16,8 +17,6 @@ import argparse
 import json
 import sys
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the recipes package
 
 
 def main() -> None:
@@ -28,13 +27,13 @@ def main() -> None:
     ap.add_argument("--kind", default="chat", help="the conversations kept: their id's prefix")
     args = ap.parse_args()
 
+    from experiments.smollm2.scales import H200
     from flashdraft.config import resolve_config
     from flashdraft.data.prepare import PrepareOptions, prepare_dataset
     from flashdraft.demo.real_target import drafter_settings
     from flashdraft.model.checkpoint import latest_checkpoint
     from flashdraft.model.target import load_tokenizer
-    from flashdraft.train.trainer import build_trainer
-    from recipes.smollm2 import H200
+    from flashdraft.train.build import build_trainer
 
     target = args.proof / "target"
     tokenizer = load_tokenizer(target)

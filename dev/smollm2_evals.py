@@ -1,23 +1,24 @@
 """The SmolLM2 proof's evals from what a GPU run sent back, on this machine's CPU or on a GPU: its packed
-prompts and answers (`proofdata.tgz.part-*`) and its drafter (`drafter.tgz.part-*`, scripts/smollm2_gpu.sh).
+prompts and answers (`proofdata.tgz.part-*`) and its drafter (`drafter.tgz.part-*`, as dev/smollm2_gpu.sh
+returns them).
 
-For the reports a GPU call did not reach (its device time ran out): the same prompts (HumanEval's first
+For the reports a GPU run did not reach: the same prompts (HumanEval's first
 --humaneval problems, the held-out synthesized turns of --prompts; `--data` is needed only for these),
 the same 192 new tokens, the same `flashdraft eval` comparison (plain decoding, DFlash, n-gram). Tau is
 a property of the drafter and the target, not of the machine, up to bf16 rounding (which can flip a
 near-tie of the greedy path: `--calibrate N` decodes HumanEval's first N at T = 0 here, to set beside
 the GPU's report on the same prompts); on a CPU, tokens/s and speedup say nothing of the GPU's.
-`--device cuda` decodes as the proof's eval stage does (bf16, CUDA graphs): a drafter whose run lost
-its call before the evals is served on the GPU in a call of its own (`scripts/smollm2_gpu.sh evals`).
+`--device cuda` decodes as the proof's eval stage does (bf16, CUDA graphs): a drafter whose run stopped
+before the evals is served on the GPU on its own.
 `--reference N` decodes HumanEval's first N at T = 0 with the reference `dflash` package on the z-lab
 export and counts the prompts where its tau equals ours (our tau from the --calibrate report, on this
 machine). Each report is written to OUT/eval/ when done; the same command skips those there. A CPU
-report of 64 prompts takes over an hour with all three methods (session 25: 1.3 minutes a HumanEval
-prompt): `--dflash-only` decodes DFlash alone, the --calibrate report too (the n-gram baseline's tau
+report of 64 prompts takes over an hour with all three methods (1.3 minutes a HumanEval prompt on 2
+cores): `--dflash-only` decodes DFlash alone, the --calibrate report too (the n-gram baseline's tau
 does not depend on the drafter: a GPU report of the same prompts and seeds has it; `--ngram-only`
 decodes it alone where none has) and `--first N` takes each report's first N prompts.
 
-    python scripts/smollm2_evals.py --data DIR_OF_PROOFDATA_PARTS --drafter DIR_OF_DRAFTER_PARTS \
+    python -m dev.smollm2_evals --data DIR_OF_PROOFDATA_PARTS --drafter DIR_OF_DRAFTER_PARTS \
         --out runs/cpu_evals --prompts 24576 --report humaneval_t1 --report held_out_t0 --calibrate 32 \
         --reference 32
 """
@@ -28,21 +29,14 @@ import argparse
 import dataclasses
 import json
 import subprocess
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the recipes package
-from flashdraft.data.humaneval import humaneval_prompts  # noqa: E402
-from flashdraft.demo.real_target import (  # noqa: E402
-    gguf_to_hf,
-    prompt_split,
-    reference_on_prompts,
-    smollm2_gguf,
-)
-from flashdraft.eval.report import compare_methods, print_table, write_report  # noqa: E402
-from flashdraft.eval.spec import METHODS  # noqa: E402
-from recipes.smollm2 import H200  # noqa: E402
+from experiments.smollm2.scales import H200
+from flashdraft.data.humaneval import humaneval_prompts
+from flashdraft.demo.real_target import gguf_to_hf, prompt_split, reference_on_prompts, smollm2_gguf
+from flashdraft.eval.report import compare_methods, print_table, write_report
+from flashdraft.eval.spec import METHODS
 
 
 def unpack(parts_dir: Path, stem: str, into: Path) -> None:

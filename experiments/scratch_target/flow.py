@@ -1,4 +1,4 @@
-"""The proof on a target trained here (scripts/real_target_proof.py): the demo's flow at GPU scale,
+"""The proof on a target trained here (experiments/scratch_target/proof.py): the demo's flow at GPU scale,
 with the drafter trained by `flashdraft train`, T = 0 and T = 1, the reference package, and ablations.
 
 The main flow, inside the time budget:
@@ -12,8 +12,7 @@ The main flow, inside the time budget:
 With ablations=True: the same drafter tapping only the token embedding (no target features) and
 tapping 3 layers, trained at the same time as the main one (one start-up for all three, ~60 s on a
 cold H200) for as many steps, and their greedy tau. They are planned into the same time budget
-(fewer steps for all), so that one call on a lent machine measures them: a second call finds the
-machine cold, and the run directory gone, unless it comes within seconds of the first.
+(fewer steps for all), so that one run of the budget measures them all.
 """
 
 from __future__ import annotations
@@ -48,13 +47,12 @@ H200_DRAFTER = {
     "optim.lr": 1e-3,
 }
 
-# The proof's scale on one H200; the measurements behind each figure are in docs/results.md ("The
-# proof on the H200", its attempts 5-10 and sessions 3-8).
+# The proof's scale on one H200; the measurements behind its figures are in docs/results.md.
 H200 = Scale(
     device="cuda",
     vocab_size=8192,
     target=dict(hidden=768, layers=12, heads=12, kv_heads=4),
-    target_batch=128,  # compiled layers: 592K tokens/s at 128 rows (benchmarks/proof_stages.py)
+    target_batch=128,  # compiled layers: 592K tokens/s at 128 rows (experiments/studies/proof_stages.py)
     target_lr=1e-3,
     target_compile=True,
     prompt_tokens=64,
@@ -205,7 +203,7 @@ def train_drafters(
 ) -> dict:
     """`flashdraft train` for each variant, all at once (they share the GPU); the first failure stops all."""
     target_dir, data = Path(summary["target_dir"]), Path(summary["data_dir"])
-    for n in names:  # a killed earlier attempt: train again
+    for n in names:  # a run killed before it finished: train again
         shutil.rmtree(out / "runs" / n, ignore_errors=True)
     val = Path(summary["val_dir"]) if "val_dir" in summary else None
     runs = [
@@ -338,7 +336,7 @@ def run_proof(
 
     ablation_names = [n for n in VARIANTS if n != "main"] if ablations else []
     if "main" not in summary.get("drafters", {}):
-        # wall_s: what earlier stages took, in this call or in a killed one this call resumes
+        # wall_s: what earlier stages took, in this run or in a killed one this run resumes
         remaining = budget - summary["wall_s"] - clock.since_start()
         steps = drafter_steps(remaining, scale, ablations)
         console.print(
@@ -406,7 +404,7 @@ def run_proof(
         save(main_flow_s=round(summary["wall_s"] + clock.since_start(), 1))
 
     todo = [n for n in ablation_names if n not in summary["drafters"]]
-    if todo:  # a resumed run that asks for ablations the first call did not
+    if todo:  # a resumed run that asks for ablations the first run did not
         steps = summary["drafter_steps"]
         console.print(f"ablations {todo}: {steps} steps each, as the main drafter, trained together")
         trained = train_drafters(todo, steps, summary, out, scale, prompts_path)

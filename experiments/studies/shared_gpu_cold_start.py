@@ -5,7 +5,7 @@ cache three threads hung. flashdraft runs one process per rank; this starts N ra
 (`flashdraft train --nproc N`, gloo, every rank on the same GPU when FLASHDRAFT_SHARE_GPU=1) with
 an empty inductor cache and reports whether all of them compiled and trained, and how long it took.
 
-    python benchmarks/shared_gpu_cold_start.py --nproc 3 [--device cuda] [--layout split:1:2]
+    python -m experiments.studies.shared_gpu_cold_start --nproc 3 [--device cuda] [--layout split:1:2]
 """
 
 from __future__ import annotations

@@ -1,0 +1,1 @@
+"""The SmolLM2-135M-Instruct proof: DFlash on a real pretrained chat model (README.md)."""

@@ -1,0 +1,1 @@
+"""One-off measurements behind settings and figures of the proofs (README.md)."""
