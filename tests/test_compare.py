@@ -1,21 +1,19 @@
-"""Recipe variants compared at equal tokens (recipes.variants, scripts/compare_recipes.py)."""
+"""Drafter variants compared by served tau at equal tokens (flashdraft.compare, `flashdraft compare`)."""
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 import yaml
 from rich.console import Console
+from typer.testing import CliRunner
 
+from flashdraft.cli.main import app
+from flashdraft.compare import Comparison, open_comparison, parse_variant, print_comparison
 from flashdraft.eval.spec import decoding_target, encode_prompt, run_methods
 from flashdraft.model.checkpoint import latest_checkpoint, load_drafter
 from flashdraft.model.target import load_target, stop_token_ids
-from recipes.variants import Comparison, open_comparison, parse_variant, print_comparison, run_comparison
 
-ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = {
     "code": [[{"role": "user", "content": "def add(a, b):"}], [{"role": "user", "content": "import os\n"}]],
     "chat": [[{"role": "user", "content": "Say hello."}]],
@@ -29,6 +27,11 @@ BASE = {
 @pytest.fixture(scope="module")
 def data_dir(token_data_dir):
     return token_data_dir
+
+
+def _jsonl(path, conversations):
+    path.write_text("".join(json.dumps({"messages": m}) + "\n" for m in conversations))
+    return path
 
 
 def _comparison(target, data, **over):
@@ -70,10 +73,19 @@ def test_a_comparison_is_checked_before_it_starts_and_cannot_change(tiny_target_
 
 @pytest.mark.slow
 def test_variants_train_equal_tokens_and_their_served_tau_is_compared(tiny_target_dir, data_dir, tmp_path):
+    """`flashdraft compare` run to the end: it trains, decodes and prints the table it writes."""
     out = tmp_path / "cmp"
-    cmp = open_comparison(out, _comparison(tiny_target_dir, data_dir))
-    table = run_comparison(cmp, out, minutes=10, say=lambda _: None)
-    assert table == json.loads((out / "table.json").read_text())
+    args = ["compare", "--out", str(out), "--target", str(tiny_target_dir), "--data", str(data_dir),
+            "--steps", "4", "--max-new-tokens", "12", "--device", "cpu",
+            "--variant", "today", "--variant", "gamma:position_weights=gamma"]  # fmt: skip
+    args += [a for key, value in BASE.items() for a in ("--base", f"{key}={value}")]
+    for name, conversations in PROMPTS.items():
+        args += ["--prompts", f"{name}={_jsonl(tmp_path / f'{name}.jsonl', conversations)}"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    assert open_comparison(out, None) == _comparison(tiny_target_dir, data_dir)
+    table = json.loads((out / "table.json").read_text())
+    assert "served tau at 4 steps each" in result.output
     # every variant trained the same steps on the same micro-batches, and differently
     training = table["training"]
     assert {t["steps"] for t in training.values()} == {4} and training["today"]["tokens"] > 0
@@ -104,23 +116,48 @@ def test_variants_train_equal_tokens_and_their_served_tau_is_compared(tiny_targe
             assert report["tau_per_sample"] == pytest.approx([g.tau for g in full[method]])
 
 
-def test_the_command_line_writes_the_comparison_it_names(tiny_target_dir, data_dir, tmp_path):
-    """scripts/compare_recipes.py's options reach the saved comparison (a call with no time left trains
-    nothing and says the same command goes on)."""
-    prompts = tmp_path / "p.jsonl"
-    prompts.write_text("".join(json.dumps({"messages": m}) + "\n" for m in PROMPTS["code"]))
+def test_the_command_writes_the_comparison_it_names(tiny_target_dir, data_dir, tmp_path):
+    """`flashdraft compare`'s options reach the saved comparison (a run with no time left trains nothing
+    and says the same command continues it)."""
+    prompts = _jsonl(tmp_path / "p.jsonl", PROMPTS["code"])
     out = tmp_path / "cmp"
-    cmd = [sys.executable, "scripts/compare_recipes.py", "--out", str(out), "--target", str(tiny_target_dir),
-           "--data", str(data_dir), "--prompts", f"code={prompts}", "--base", "drafter.num_layers=1",
-           "--steps", "3", "--variant", "today", "--variant", "mix:distill=0.5,drafter.num_taps=2",
-           "--max-new-tokens", "9", "--no-ngram", "--device", "cpu", "--minutes", "0"]  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "goes on in the next call" in proc.stdout
+    args = ["compare", "--out", str(out), "--target", str(tiny_target_dir), "--data", str(data_dir),
+            "--prompts", f"code={prompts}", "--humaneval", "2", "--base", "drafter.num_layers=1",
+            "--steps", "3", "--variant", "today", "--variant", "mix:distill=0.5,drafter.num_taps=2",
+            "--max-new-tokens", "9", "--no-ngram", "--device", "cpu", "--minutes", "0"]  # fmt: skip
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    assert "the same command continues the training" in result.output
     cmp = open_comparison(out, None)
     assert cmp.variants == {"today": {}, "mix": {"distill": 0.5, "drafter.num_taps": 2}}
     assert (cmp.steps, cmp.max_new_tokens, cmp.ngram, cmp.base) == (3, 9, False, {"drafter.num_layers": 1})
-    assert cmp.prompts == {"code": PROMPTS["code"]} and cmp.decoders == ("today", "mix")
+    assert list(cmp.prompts) == ["code", "humaneval"] and cmp.prompts["code"] == PROMPTS["code"]
+    assert len(cmp.prompts["humaneval"]) == 2 and cmp.decoders == ("today", "mix")
+    # run again with only --out: the same comparison continues
+    again = CliRunner().invoke(app, ["compare", "--out", str(out), "--minutes", "0"])
+    assert again.exit_code == 0 and open_comparison(out, None) == cmp, again.output
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--variant", "mix:distill"], "--variant 'mix:distill': expected NAME:KEY=VALUE"),
+        (["--variant", "a", "--variant", "a"], "two --variant options share a name"),
+        (["--variant", "a", "--base", "layers"], "--base 'layers': expected KEY=VALUE"),
+        (["--variant", "a", "--prompts", "code.jsonl"], "--prompts 'code.jsonl': expected NAME=JSONL"),
+        (["--variant", "a", "--variant", "b:position_weights=x"], "variant 'b'"),
+        ([], "does not exist: name what to compare"),
+    ],
+)
+def test_the_command_refuses_a_comparison_it_cannot_run(args, message, tiny_target_dir, data_dir, tmp_path):
+    """Bad options fail before anything trains, with exit status 2 and a message naming the option."""
+    prompts = _jsonl(tmp_path / "p.jsonl", PROMPTS["chat"])
+    given = ["--target", str(tiny_target_dir), "--data", str(data_dir), "--steps", "2"]
+    given += [] if "--prompts" in args else ["--prompts", f"chat={prompts}"]
+    result = CliRunner().invoke(app, ["compare", "--out", str(tmp_path / "cmp"), *given, *args])
+    assert result.exit_code == 2, result.output
+    assert message in result.output and "error:" in result.output
+    assert not (tmp_path / "cmp").exists()
 
 
 def test_the_table_prints_with_one_prompt_a_set():
