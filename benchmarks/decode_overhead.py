@@ -22,7 +22,7 @@ import torch
 from flashdraft.bench import random_target, shape_config
 from flashdraft.eval.spec import METHODS, decoding_target, run_methods
 from flashdraft.model.drafter import DFlashDrafter, drafter_config
-from flashdraft.train.trainer import init_drafter_
+from flashdraft.train.build import init_drafter_
 
 
 def main() -> None:

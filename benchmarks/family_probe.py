@@ -31,8 +31,8 @@ from flashdraft.demo.tiny import build_tokenizer, save_target, stdlib_files  # n
 from flashdraft.eval.spec import DFlashProposer, generate  # noqa: E402
 from flashdraft.model.drafter import DFlashDrafter, drafter_config  # noqa: E402
 from flashdraft.model.target import Target, choose_packing  # noqa: E402
+from flashdraft.train.build import init_drafter_  # noqa: E402
 from flashdraft.train.step import target_features  # noqa: E402
-from flashdraft.train.trainer import init_drafter_  # noqa: E402
 
 VOCAB, EOS, PAD, MASK = 384, 2, 0, 3
 

@@ -9,7 +9,7 @@ from flashdraft.data.packing import PackedBatch, collate_rows
 from flashdraft.demo.tiny import tiny_qwen3_config
 from flashdraft.model.drafter import DFlashDrafter, drafter_config
 from flashdraft.model.target import Target
-from flashdraft.train.trainer import init_drafter_
+from flashdraft.train.build import init_drafter_
 
 VOCAB = 96
 MASK_ID = VOCAB - 1

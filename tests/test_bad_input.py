@@ -13,7 +13,8 @@ from flashdraft.cli.main import app
 from flashdraft.config import resolve_config
 from flashdraft.data.packing import save_token_dataset
 from flashdraft.model.checkpoint import latest_checkpoint
-from flashdraft.train.trainer import Interrupted, build_trainer
+from flashdraft.train.build import build_trainer
+from flashdraft.train.trainer import Interrupted
 from helpers import random_docs
 
 

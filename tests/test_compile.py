@@ -8,8 +8,8 @@ import torch
 
 from flashdraft.config import resolve_config
 from flashdraft.data.packing import collate_rows, save_token_dataset
+from flashdraft.train.build import build_trainer
 from flashdraft.train.compile import RecompileError
-from flashdraft.train.trainer import build_trainer
 from helpers import random_docs
 
 pytestmark = pytest.mark.slow
@@ -49,7 +49,7 @@ def test_a_recompile_after_warm_up_stops_the_run_with_a_clear_message(tmp_path, 
         trainer.train_step_guarded()
         docs = random_docs([150, 100], seed=2, prompt_len=10)
         odd = collate_rows([[d] for d in docs], 160, pad_token_id=0)  # a row length the warm-up never saw
-        trainer.stream = {trainer.step: odd, trainer.step + 1: odd}  # micro-batch m = step - 1
+        trainer.features.stream = {trainer.step: odd, trainer.step + 1: odd}  # micro-batch m = step - 1
         with pytest.raises(RecompileError, match="recompile after warm-up"):
             trainer.train_step_guarded()
     finally:
@@ -94,18 +94,18 @@ def test_a_compiled_target_computes_the_eager_features_without_recompiling(
 
 @pytest.mark.parametrize("compile", [True, False])
 def test_the_compile_workers_start_before_the_target_loads_when_the_run_compiles(monkeypatch, compile):
-    import flashdraft.train.trainer as trainer_module
+    import flashdraft.train.build as build_module
     from flashdraft.bench import _UNUSED_OUT, shape_config, shape_source
     from flashdraft.config import run_config
 
     events = []
-    monkeypatch.setattr(trainer_module, "start_compile_workers", lambda: events.append("workers"))
+    monkeypatch.setattr(build_module, "start_compile_workers", lambda: events.append("workers"))
     source = shape_source("tiny", shape_config("tiny"))
     load = source.load_target
     source = dataclasses.replace(source, load_target=lambda *a: events.append("target") or load(*a))
     over = {"data.seq_len": 128, "num_anchors": 8, "max_steps": 1, "compile": compile}
     drafter = {"drafter.num_layers": 1, "drafter.num_taps": 2, "drafter.mask_token_id": 511}
     cfg = resolve_config("default", **over, **drafter)
-    trainer = trainer_module.build(run_config(cfg, target="shape:tiny", data="-", out=_UNUSED_OUT), source)
+    trainer = build_module.build(run_config(cfg, target="shape:tiny", data="-", out=_UNUSED_OUT), source)
     trainer.close()
     assert events == (["workers", "target"] if compile else ["target"])

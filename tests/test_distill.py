@@ -63,7 +63,7 @@ def test_a_run_distills_colocated_and_the_config_refuses_it_split(tmp_path, tiny
 
     from flashdraft.config import resolve_config, resolve_run_config
     from flashdraft.data.packing import save_token_dataset
-    from flashdraft.train.trainer import build_trainer
+    from flashdraft.train.build import build_trainer
     from helpers import random_docs
 
     docs = random_docs([70, 90, 120, 60] * 2, seed=9, prompt_len=10)

@@ -144,7 +144,7 @@ def test_an_fsdp_checkpoint_holds_full_tensors_as_a_ddp_one(runs):
 POISONED = """
 import sys
 from flashdraft.config import resolve_config
-from flashdraft.train.trainer import build_trainer
+from flashdraft.train.build import build_trainer
 
 target, data, out, cfg = sys.argv[1:]
 cfg = resolve_config(yaml_path=cfg, fsdp=True, save_every=1)
@@ -190,7 +190,7 @@ def test_fsdp_with_tau_during_training_is_refused(tmp_path, tiny_target_dir, dat
 
 def test_fsdp_on_one_drafter_rank_says_it_does_not_shard(tmp_path, tiny_target_dir, data_dir, capsys):
     from flashdraft.config import resolve_config
-    from flashdraft.train.trainer import build_trainer
+    from flashdraft.train.build import build_trainer
 
     cfg = resolve_config("tiny_cpu", fsdp=True, **{"drafter.num_layers": 1, "data.seq_len": 128})
     build_trainer(cfg, tiny_target_dir, data_dir, tmp_path / "r", device="cpu")

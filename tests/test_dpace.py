@@ -77,7 +77,7 @@ def test_the_unsmoothed_dpace_loss_has_the_gradient_of_the_expected_acceptance_l
 def test_a_run_trains_with_dpace_weights(tmp_path, tiny_target_dir):
     from flashdraft.config import resolve_config
     from flashdraft.data.packing import save_token_dataset
-    from flashdraft.train.trainer import build_trainer
+    from flashdraft.train.build import build_trainer
     from helpers import random_docs
 
     data = tmp_path / "data"

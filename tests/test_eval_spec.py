@@ -29,8 +29,8 @@ from flashdraft.model.checkpoint import write_zlab
 from flashdraft.model.drafter import DFlashDrafter, drafter_config
 from flashdraft.model.target import Target
 from flashdraft.train.blocks import walk_lengths
+from flashdraft.train.build import init_drafter_
 from flashdraft.train.step import Kernels, acceptance_map, micro_step_loss, plan_micro_batch, target_features
-from flashdraft.train.trainer import init_drafter_
 from helpers import BLOCK, GAMMA, VOCAB, tiny_drafter, tiny_target
 
 NEW_TOKENS = 40
@@ -269,8 +269,8 @@ def test_tau_is_reported_by_prompt_length():
 
 
 def test_speedups_come_from_unrounded_times():
-    # session 9: two methods 0.3 us apart per token at ~776 us reported equal speedups to 7 digits,
-    # because the speedup divided times already rounded to the microsecond
+    # two methods 0.3 us apart per token at ~776 us must report different speedups: dividing times
+    # already rounded to the microsecond would make them equal to 7 digits
     tokens = list(range(1001))
     plain = [Generation(tokens=tokens, decode_s=1.869)]
     dflash = [Generation(tokens=tokens, accept_lengths=[4], verify_sizes=[4], decode_s=0.7762)]

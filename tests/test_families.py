@@ -36,8 +36,8 @@ from flashdraft.model.checkpoint import latest_checkpoint, load_drafter, write_z
 from flashdraft.model.drafter import DFlashDrafter, drafter_config
 from flashdraft.model.target import PACKING_LINES, Target, choose_packing, load_target, target_config
 from flashdraft.train.blocks import Anchors
+from flashdraft.train.build import init_drafter_
 from flashdraft.train.step import micro_batch_at, target_features, visibility_for
-from flashdraft.train.trainer import init_drafter_
 from helpers import GAMMA, random_docs
 from test_data_regenerate import reference as regenerate_reference
 from test_eval_spec import train_on_continuations

@@ -11,8 +11,8 @@ from flashdraft.data.packing import save_token_dataset
 from flashdraft.model.drafter import drafter_config
 from flashdraft.model.fp8 import E4M3, Fp8Linear, to_fp8_
 from flashdraft.model.target import Target, decoder_layers, load_target
+from flashdraft.train.build import build_trainer
 from flashdraft.train.flops import mfu, micro_batch_flops
-from flashdraft.train.trainer import build_trainer
 from helpers import random_docs
 
 

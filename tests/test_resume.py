@@ -7,7 +7,7 @@ import torch
 
 from flashdraft.config import resolve_config
 from flashdraft.data.packing import save_token_dataset
-from flashdraft.train.trainer import build_trainer
+from flashdraft.train.build import build_trainer
 from helpers import random_docs
 
 

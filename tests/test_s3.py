@@ -312,7 +312,7 @@ def test_training_mirrors_to_s3_and_resumes_on_a_fresh_machine(
 
     from flashdraft.config import resolve_config
     from flashdraft.data.packing import save_token_dataset
-    from flashdraft.train.trainer import build_trainer
+    from flashdraft.train.build import build_trainer
     from helpers import random_docs
 
     new_bucket(server, monkeypatch, "runs")
@@ -324,7 +324,7 @@ def test_training_mirrors_to_s3_and_resumes_on_a_fresh_machine(
     for _ in range(2):
         first.train_step()
     first.save()
-    assert first.mirror.close(timeout=60)
+    assert first.checkpoints.mirror.close(timeout=60)
 
     fresh = tmp_path / "fresh-machine"
     resumed = build_trainer(
@@ -357,8 +357,8 @@ def test_a_run_whose_mirror_did_not_complete_ends_with_an_error_naming_it(
     stops with an error (exit 1 from the command) instead of exit 0 with nothing uploaded."""
     from flashdraft.config import resolve_config
     from flashdraft.data.packing import save_token_dataset
+    from flashdraft.train.build import build_trainer
     from flashdraft.train.state import MirrorIncomplete
-    from flashdraft.train.trainer import build_trainer
     from helpers import random_docs
 
     srv = MotoServer()

@@ -189,7 +189,7 @@ def test_a_checkpoint_that_does_not_fit_the_model_is_refused_with_its_keys(tmp_p
 def test_a_split_layout_whose_target_ranks_serve_unequal_counts_is_refused():
     from flashdraft.config import resolve_config
     from flashdraft.distributed.topology import Topology
-    from flashdraft.train.trainer import check_sharded_fits
+    from flashdraft.train.build import check_sharded_fits
 
     topo = Topology(layout=Layout.parse("split:2:1").on(3), target_parallel=TargetParallel(2))
     with pytest.raises(ValueError, match="3 micro-batches .* do not divide evenly over the 2 target ranks"):

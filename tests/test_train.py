@@ -12,8 +12,9 @@ from flashdraft.cli.main import app
 from flashdraft.data.packing import save_token_dataset
 from flashdraft.model.checkpoint import latest_checkpoint, load_drafter, save_checkpoint
 from flashdraft.model.drafter import Visibility
+from flashdraft.train.build import resolve_mask_token_id
 from flashdraft.train.step import Kernels, micro_step_loss, plan_micro_batch
-from flashdraft.train.trainer import cosine_lr, resolve_attention, resolve_mask_token_id
+from flashdraft.train.trainer import cosine_lr, resolve_attention
 from helpers import BLOCK, GAMMA, MASK_ID, packed_batch, random_docs, target_and_drafter
 
 
@@ -204,7 +205,7 @@ def test_init_from_starts_from_the_source_drafter_and_refuses_one_that_does_not_
     import shutil
 
     from flashdraft.config import resolve_config
-    from flashdraft.train.trainer import build_trainer
+    from flashdraft.train.build import build_trainer
 
     data = _token_data(tmp_path / "data", tiny_tokenizer, [70, 90, 120, 60, 100, 80] * 2, seed=8)
     over = {"data.seq_len": 128, "data.rows_per_batch": 2, "num_anchors": 8, "max_steps": 2}
@@ -240,7 +241,7 @@ def test_a_drafter_with_sliding_window_layers_trains_and_saves_them(
     tmp_path, tiny_target_dir, tiny_tokenizer
 ):
     from flashdraft.config import resolve_config
-    from flashdraft.train.trainer import build_trainer
+    from flashdraft.train.build import build_trainer
 
     data = _token_data(tmp_path / "data", tiny_tokenizer, [70, 90, 120, 60] * 2, seed=10)
     over = {"data.seq_len": 128, "data.rows_per_batch": 2, "num_anchors": 8, "max_steps": 2}
@@ -328,7 +329,7 @@ def _token_data(path, tokenizer, lengths, seed):
 
 def test_validation_measures_held_out_data_and_trains_nothing(tmp_path, tiny_target_dir, tiny_tokenizer):
     from flashdraft.config import resolve_config
-    from flashdraft.train.trainer import build_trainer
+    from flashdraft.train.build import build_trainer
 
     train = _token_data(tmp_path / "train", tiny_tokenizer, [70, 90, 120, 60, 100, 80] * 3, seed=3)
     held = _token_data(tmp_path / "held", tiny_tokenizer, [80, 110, 60, 90] * 3, seed=4)
@@ -476,7 +477,7 @@ def test_a_run_loads_the_target_layers_it_runs(tmp_path, tiny_target_dir, tiny_t
     """Features stop at the last tap, so a run loads the target up to it; distillation (the final hidden
     state) loads every layer. The checkpoint records the whole target's depth either way."""
     from flashdraft.config import resolve_config
-    from flashdraft.train.trainer import build_trainer
+    from flashdraft.train.build import build_trainer
 
     data = _token_data(tmp_path / "data", tiny_tokenizer, [70, 90, 120, 60] * 2, seed=5)
     cfg = resolve_config("tiny_cpu", **{"max_steps": 1, "drafter.num_taps": 2, **over})
@@ -495,7 +496,7 @@ def test_a_step_clips_the_gradients_as_clip_grad_norm_does(tmp_path, tiny_target
     down update the weights as clip_grad_norm_ followed by AdamW does. (Adam's first step hardly depends
     on the gradient's scale; the second does, through the moments of both.)"""
     from flashdraft.config import resolve_config
-    from flashdraft.train.trainer import build_trainer
+    from flashdraft.train.build import build_trainer
 
     over = {"max_steps": 2, "drafter.num_layers": 1, "optim.grad_clip": 1e-3, "optim.warmup_ratio": 0.0}
     cfg = resolve_config("tiny_cpu", **over)

@@ -27,9 +27,10 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, Pre
 from flashdraft.config import TrainConfig, resolve_config, run_config
 from flashdraft.data.packing import PackedBatch
 from flashdraft.model.target import first_layers_config
+from flashdraft.train.build import Batches, RunSource, build
 from flashdraft.train.flops import matmul_tflops, mfu, micro_batch_flops, sync
 from flashdraft.train.timing import PhaseTimer
-from flashdraft.train.trainer import Batches, RunSource, Trainer, build
+from flashdraft.train.trainer import Trainer
 
 QWEN3_VOCAB = 151936
 QWEN3_MASK_ID = 151669
@@ -44,7 +45,7 @@ _QWEN3 = dict(
 SHAPES: dict[str, dict] = {
     "tiny": dict(_QWEN3, hidden_size=64, intermediate_size=192, num_hidden_layers=6, num_attention_heads=4,
                  num_key_value_heads=2, head_dim=16, vocab_size=512, tie_word_embeddings=False),
-    # the target scripts/real_target_proof.py trains (recipes.proof.H200)
+    # the target experiments/scratch_target/proof.py trains (experiments/scratch_target/flow.py's H200)
     "proof-95m": dict(_QWEN3, hidden_size=768, intermediate_size=2304, num_hidden_layers=12,
                       num_attention_heads=12, num_key_value_heads=4, head_dim=64, vocab_size=8192,
                       tie_word_embeddings=False),
@@ -79,7 +80,7 @@ SHAPES: dict[str, dict] = {
                         swiglu_limit=7.0, rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0,
                         "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
                         "original_max_position_embeddings": 4096}),
-    # SmolLM2-135M-Instruct, the real target of the SmolLM2 proof (scripts/smollm2_proof.py): tied embeddings
+    # SmolLM2-135M-Instruct, the target of the SmolLM2 proof (experiments/smollm2/proof.py); tied embeddings
     "smollm2-135m": dict(model_type="llama", hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                          num_attention_heads=9, num_key_value_heads=3, head_dim=64, vocab_size=49152,
                          rms_norm_eps=1e-5, max_position_embeddings=8192, tie_word_embeddings=True,
@@ -102,7 +103,7 @@ SHAPES: dict[str, dict] = {
 }  # fmt: skip
 
 
-# Rows per step when --rows-per-batch is not given: measured on one H200 (docs/results.md, session 19),
+# Rows per step when --rows-per-batch is not given: measured on one H200 (docs/results.md),
 # the most throughput within memory that leaves room for real data: qwen3-8b 1 -> 2 rows 66.3 -> 70.3%
 # MFU (44.8 GiB), llama3-8b 70.1% at 2 (46.3 GiB); the MoE target's grouped expert GEMMs grow with the
 # tokens a step: its forward at 43% of peak at 1 row, 49% at 2, 51% at 4 (81.4 GiB).

@@ -119,7 +119,7 @@ def train(
         quiet_libraries()
     from flashdraft.config import resolve_run_config
     from flashdraft.model.checkpoint import latest_checkpoint
-    from flashdraft.train.trainer import build
+    from flashdraft.train.build import build
 
     if resume and resume.startswith("s3://"):
         s3 = s3 or resume
@@ -208,18 +208,20 @@ def _print_plan(
     fsdp: bool,
     target_parallel: str | None,
 ) -> None:
-    from flashdraft.config import resolve_config
+    """The run resolved and validated as `train` resolves it (a RunConfig), then planned from its
+    target's config alone. The plan reads no data and writes no run directory: those two are set to
+    "-" here."""
+    from flashdraft.config import resolve_run_config
     from flashdraft.model.target import target_config
     from flashdraft.train.plan import make_plan
 
-    run = _yaml_run(config)
-    target, layout = target or run.get("target"), layout or run.get("layout", "colocated")
-    target_parallel = target_parallel or run.get("target_parallel", "none")
-    if target is None:
+    if target is None and config is None:
         _fail("--plan needs --target (or a --config with run.target)")
+    run = {"target": target, "layout": layout, "target_parallel": target_parallel, "data": "-", "out": "-"}
     try:
-        cfg = resolve_config(preset, config, fsdp=fsdp or None)
-        plan = make_plan(cfg, target_config(target), layout, world, target_parallel)
+        cfg = resolve_run_config(preset, config, fsdp=fsdp or None, **{f"run.{k}": v for k, v in run.items()})
+        spec = cfg.run
+        plan = make_plan(cfg, target_config(spec.target), spec.layout, world, spec.target_parallel)
     except (ValueError, OSError) as e:
         _fail(str(e))
     typer.echo("\n".join(plan.lines()))
@@ -427,6 +429,7 @@ def bench(
 
 
 def _mount_subcommands() -> None:
+    from flashdraft.cli.compare import compare_cmd
     from flashdraft.cli.data import data_app
     from flashdraft.cli.doctor import doctor_cmd
     from flashdraft.cli.eval import eval_cmd, export_cmd
@@ -435,6 +438,7 @@ def _mount_subcommands() -> None:
     app.command("doctor")(doctor_cmd)
     app.command("eval")(eval_cmd)
     app.command("export")(export_cmd)
+    app.command("compare")(compare_cmd)
 
 
 _mount_subcommands()

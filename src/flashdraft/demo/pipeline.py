@@ -28,7 +28,7 @@ from flashdraft.demo.tiny import build_tiny_target, build_tokenizer, save_target
 @dataclass(frozen=True)
 class Scale:
     """Everything that differs between the CPU demo and a GPU run of the same pipeline
-    (recipes.proof.H200)."""
+    (experiments/scratch_target/flow.py's H200)."""
 
     device: str = "cpu"
     vocab_size: int = 1024
@@ -351,7 +351,7 @@ class StageClock:
 def run_pipeline(out: Path, budget_minutes: float, scale: Scale) -> dict:
     from flashdraft.config import resolve_config
     from flashdraft.eval.report import compare_methods, print_table, write_report
-    from flashdraft.train.trainer import build_trainer
+    from flashdraft.train.build import build_trainer
 
     console = Console()
     out = Path(out)

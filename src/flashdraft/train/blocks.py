@@ -1,4 +1,4 @@
-"""DFlash training semantics (dflash.md section 2): anchors, visibility, labels, loss weights.
+"""DFlash training semantics (docs/dflash.md): anchors, visibility, labels, loss weights.
 
 A packed batch row holds whole documents: input_ids, loss_mask, position_ids (restarting at 0 in
 every document) and doc_ids (-1 on padding), all [b, S]. For each row we sample anchors; block j
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 
-# gamma of the slot weights exp(-(k-1)/gamma) by block size (dflash.md section 2).
+# gamma of the slot weights exp(-(k-1)/gamma) by block size (docs/dflash.md, training semantics).
 GAMMA_BY_BLOCK = {16: 7.0, 10: 5.0, 8: 4.0}
 
 _compiled_create_block_mask = torch.compile(create_block_mask, dynamic=False)

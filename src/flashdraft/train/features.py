@@ -6,29 +6,35 @@ tokens) for global micro-batch m."""
 
 from __future__ import annotations
 
+import torch
+
+from flashdraft.distributed.exchange import RemoteFeatures
+from flashdraft.model.target import Target
 from flashdraft.train.step import target_features
 from flashdraft.train.timing import PhaseTimer
 
 
 class LocalFeatures:
-    def __init__(self, trainer):
-        self.trainer = trainer  # its stream is read at every batch (a caller may swap it)
+    """stream: the run's micro-batches by global index (a MicroBatchStream); final: the loss distills,
+    so the target runs every layer and gives its final hidden state too."""
+
+    def __init__(self, stream, target: Target, device: torch.device, final: bool):
+        self.stream, self.target, self.device, self.final = stream, target, device, final
 
     def get(self, m: int, next_m: int | None, timer: PhaseTimer):
-        t = self.trainer
         with timer("data"):
-            cpu = t.stream[m]
-            batch = cpu.to(t.device)
+            cpu = self.stream[m]
+            batch = cpu.to(self.device)
         with timer("target_forward"):
-            if t.spec.kernels.distill > 0:  # every layer, and the final hidden state for the loss
-                feats, teacher = target_features(t.target, batch, cpu.plain_causal, final=True)
+            if self.final:
+                feats, teacher = target_features(self.target, batch, cpu.plain_causal, final=True)
             else:
-                feats, teacher = target_features(t.target, batch, cpu.plain_causal), None
+                feats, teacher = target_features(self.target, batch, cpu.plain_causal), None
         return batch, feats, teacher, cpu.num_tokens
 
 
 class ReceivedFeatures:
-    def __init__(self, remote):
+    def __init__(self, remote: RemoteFeatures):
         self.remote = remote
 
     def get(self, m: int, next_m: int | None, timer: PhaseTimer):

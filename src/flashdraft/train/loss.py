@@ -34,7 +34,7 @@ class BlockLoss:
 
     @property
     def tau(self) -> torch.Tensor:
-        """Acceptance length speculative decoding would see on these blocks (per dflash.md section 3)."""
+        """Acceptance length speculative decoding would see on these blocks (tau, docs/dflash.md)."""
         return self.accepted / self.blocks.clamp(min=1)
 
 

@@ -25,12 +25,12 @@ from flashdraft.model.drafter import drafter_config
 from flashdraft.train.flops import layer_matmul_params, micro_batch_flops
 
 # Fraction of the bf16 matmul peak each side reached on the H200 for qwen3-8b and the paper's
-# drafter (docs/results.md, fourth measurement): the compiled target forward, 43.0 TFLOP in 67.4 ms,
-# 80%; the drafter's forward, loss, backward and optimizer, 71.9 TFLOP in 159 ms, 57%. The drafter's
-# attention masks and 151,936-wide loss run further from peak, so equal FLOPs are not equal time.
+# drafter (docs/results.md): the compiled target forward, 43.0 TFLOP in 67.4 ms, 80%; the drafter's
+# forward, loss, backward and optimizer, 71.9 TFLOP in 159 ms, 57%. The drafter's attention masks
+# and 151,936-wide loss run further from peak, so equal FLOPs are not equal time.
 EFFICIENCY = {"target": 0.80, "drafter": 0.57}
 PEAK_TFLOPS = 802  # bf16 matmul rate measured on the H200 (docs/results.md)
-# Assumed, not measured here (only one GPU was lent): NCCL all-gather bus bandwidth over NVLink on 8 H200s.
+# Assumed, not measured: NCCL all-gather bus bandwidth over NVLink on 8 H200s.
 ALLGATHER_GBPS = 300
 # Activations per draft position and per (vocab + 8 x hidden x drafter layers) element: the qwen3-8b bench
 # (1 row x 3,072 tokens, 512 anchors x 16, 5-layer drafter) peaked at 47.0 GiB, 30.1 of them weights and

@@ -18,10 +18,14 @@ import re
 from pathlib import Path
 
 import torch
+from torch import nn
 from torch.distributed.tensor import DTensor
+from torch.optim import Optimizer
+from torch.optim.lr_scheduler import LRScheduler
 
 from flashdraft.config import TrainConfig
 from flashdraft.distributed.parallel import full_state, load_full_state
+from flashdraft.distributed.topology import Topology
 from flashdraft.model.checkpoint import (
     latest_checkpoint,
     prune_checkpoints,
@@ -29,6 +33,7 @@ from flashdraft.model.checkpoint import (
     save_checkpoint,
 )
 from flashdraft.run.fingerprint import ENV_FILE, fingerprint
+from flashdraft.run.s3 import S3Mirror
 from flashdraft.train.compile import ARTIFACTS, artifacts_writer, load_artifacts
 
 STATE = "trainer_state.pt"
@@ -48,17 +53,24 @@ _FIXED = [
 ]
 
 
-def trainer_state_writer(trainer, weights: dict, optimizer: dict):
+def trainer_state_writer(
+    step: int,
+    micro_per_step: int,
+    weights: dict,
+    optimizer: dict,
+    scheduler: LRScheduler,
+    cfg: TrainConfig,
+):
     """weights, optimizer: the drafter's and optimizer's full state (dist.parallel.full_state)."""
 
     def write(path: Path) -> None:
         state = {
-            "step": trainer.step,
-            "micro_per_step": trainer.spec.micro_per_step,
+            "step": step,
+            "micro_per_step": micro_per_step,
             "master": {k: v.detach().cpu() for k, v in weights.items()},
             "optimizer": optimizer,
-            "scheduler": trainer.scheduler.state_dict(),
-            "config": trainer.cfg.model_dump(mode="json"),
+            "scheduler": scheduler.state_dict(),
+            "config": cfg.model_dump(mode="json"),
         }
         torch.save(state, path)
 
@@ -88,18 +100,25 @@ def check_resumable(saved: dict, cfg: TrainConfig, micro_per_step: int, where: P
             log.warning("resume: %s changed from %s to %s", key, saved["config"].get(key), now.get(key))
 
 
-def load_trainer_state(ckpt: Path, trainer) -> int:
+def load_trainer_state(
+    ckpt: Path,
+    cfg: TrainConfig,
+    micro_per_step: int,
+    drafter: nn.Module,
+    optimizer: Optimizer,
+    scheduler: LRScheduler,
+) -> int:
     """Restore weights, optimizer and schedule from checkpoint `ckpt`; returns its step."""
     path = Path(ckpt) / STATE
     if not path.exists():
         raise ValueError(f"cannot resume from {ckpt}: no {STATE} (an export, not a training checkpoint?)")
     saved = torch.load(path, map_location="cpu", weights_only=True)
-    check_resumable(saved, trainer.cfg, trainer.spec.micro_per_step, ckpt)
-    load_full_state(trainer.drafter, trainer.optimizer, saved["master"], saved["optimizer"])
-    for group in trainer.optimizer.param_groups:  # a changed learning rate applies from here on
-        group["initial_lr"] = trainer.cfg.optim.lr
-    trainer.scheduler.base_lrs = [trainer.cfg.optim.lr for _ in trainer.scheduler.base_lrs]
-    trainer.scheduler.load_state_dict({**saved["scheduler"], "base_lrs": trainer.scheduler.base_lrs})
+    check_resumable(saved, cfg, micro_per_step, ckpt)
+    load_full_state(drafter, optimizer, saved["master"], saved["optimizer"])
+    for group in optimizer.param_groups:  # a changed learning rate applies from here on
+        group["initial_lr"] = cfg.optim.lr
+    scheduler.base_lrs = [cfg.optim.lr for _ in scheduler.base_lrs]
+    scheduler.load_state_dict({**saved["scheduler"], "base_lrs": scheduler.base_lrs})
     return int(saved["step"])
 
 
@@ -115,16 +134,33 @@ RUN_FILES = ("config.yaml", ENV_FILE, "metrics.jsonl", "train.log")
 
 
 class Checkpointer:
-    """RUN/checkpoints of a trainer: `resume` restores the newest readable checkpoint into it, `save`
-    writes one (complete or absent, refused when not finite), prunes beyond `keep_last` and mirrors to
-    S3 (`mirror`, set by build when the run has one); `finish` waits for the mirror."""
+    """RUN/checkpoints of a run's drafter, optimizer and schedule: `resume` restores the newest readable
+    checkpoint into them, `save` writes one (complete or absent, refused when not finite), prunes beyond
+    `keep_last` and mirrors to S3 (`mirror`: an S3Mirror, when the run has one); `finish` waits for the
+    mirror."""
 
-    def __init__(self, cfg: TrainConfig, topo, out: Path | None, compiled: bool, cache_dir=None):
+    def __init__(
+        self,
+        cfg: TrainConfig,
+        topo: Topology,
+        out: Path | None,
+        drafter: nn.Module,
+        optimizer: Optimizer,
+        scheduler: LRScheduler,
+        micro_per_step: int,
+        compiled: bool,
+        cache_dir: Path | None = None,
+        mirror: S3Mirror | None = None,
+    ):
         self.cfg, self.topo, self.out, self.compiled, self.cache_dir = cfg, topo, out, compiled, cache_dir
-        self.mirror = None
+        self.drafter, self.optimizer, self.scheduler = drafter, optimizer, scheduler
+        self.micro_per_step = micro_per_step
+        self.mirror = mirror
         self.artifacts_loaded = False  # compile artifacts restored from the checkpoint resumed
 
-    def resume(self, trainer) -> None:
+    def resume(self) -> int:
+        """Restore the newest readable checkpoint (the one before it when it is damaged); returns its
+        step."""
         root = self.out / "checkpoints" if self.out else None
         ckpt = latest_checkpoint(root) if root else None
         if ckpt is None:
@@ -135,7 +171,9 @@ class Checkpointer:
         older = sorted((p for p in root.glob("step_*") if p.is_dir() and p.name < ckpt.name), reverse=True)
         for candidate in [ckpt, *older]:  # a checkpoint damaged after it was written: the one before it
             try:
-                trainer.step = load_trainer_state(candidate, trainer)
+                step = load_trainer_state(
+                    candidate, self.cfg, self.micro_per_step, self.drafter, self.optimizer, self.scheduler
+                )
                 break
             except (RuntimeError, EOFError, OSError, KeyError, pickle.UnpicklingError) as e:
                 if self.topo.is_main:
@@ -145,8 +183,8 @@ class Checkpointer:
             raise ValueError(f"--resume: no checkpoint of {root} could be read")
         ckpt = candidate
         if self.topo.is_main:
-            forget_metrics_after(self.out / "metrics.jsonl", trainer.step)
-            forget_log_after(self.out / "train.log", trainer.step)
+            forget_metrics_after(self.out / "metrics.jsonl", step)
+            forget_log_after(self.out / "train.log", step)
         if self.compiled and (ckpt / ARTIFACTS).exists():
             if self.cfg.trust_compile_cache:
                 self.artifacts_loaded = load_artifacts(ckpt)
@@ -157,30 +195,30 @@ class Checkpointer:
                     f"again, with the local cache in {self.cache_dir}",
                     flush=True,
                 )
+        return step
 
     def start(self) -> None:
         """The main rank, before the first step: no half-written checkpoint left by a kill."""
         remove_partial_checkpoints(self.out / "checkpoints")
 
-    def save(self, trainer) -> Path | None:
-        """Checkpoint on the main rank (complete or absent); every drafter rank takes part in gathering
-        a sharded drafter's state and waits for the checkpoint.
+    def save(self, step: int, throughput: dict) -> Path | None:
+        """Checkpoint `step` on the main rank (complete or absent); every drafter rank takes part in
+        gathering a sharded drafter's state and waits for the checkpoint. `throughput`: the fingerprint's
+        extra record of the run's speed so far.
 
         Older checkpoints beyond `keep_last` are pruned once this one is complete, and with an S3
         mirror only once this one's upload is confirmed.
         """
         path = None
-        self._refuse_non_finite_state(trainer)
-        weights, optim = full_state(trainer.drafter, trainer.optimizer, keep=self.topo.is_main)
+        self._refuse_non_finite_state(step)
+        weights, optim = full_state(self.drafter, self.optimizer, keep=self.topo.is_main)
         if self.topo.is_main:
-            extra = {
-                STATE: trainer_state_writer(trainer, weights, optim),
-                ENV_FILE: lambda p: write_fingerprint(p, trainer.fingerprint_extra()),
-            }
+            state = trainer_state_writer(step, self.micro_per_step, weights, optim, self.scheduler, self.cfg)
+            extra = {STATE: state, ENV_FILE: lambda p: write_fingerprint(p, throughput)}
             if self.compiled:
                 extra[ARTIFACTS] = artifacts_writer()
             root = self.out / "checkpoints"
-            path = save_checkpoint(trainer.drafter, root, trainer.step, extra, weights)
+            path = save_checkpoint(self.drafter, root, step, extra, weights)
             keep = self.cfg.keep_last
             if self.mirror is not None:
                 prune = (lambda done: prune_checkpoints(root, keep, protect=done)) if keep else None
@@ -191,11 +229,11 @@ class Checkpointer:
         self.topo.drafter_barrier()
         return path
 
-    def _refuse_non_finite_state(self, trainer) -> None:
+    def _refuse_non_finite_state(self, step: int) -> None:
         """No checkpoint holds a NaN or an infinity, and none such prunes an older one: a weight or an
         optimizer moment that is not finite (on any drafter rank, in any shard) stops the run here."""
-        local = [p.to_local() if isinstance(p, DTensor) else p for p in trainer.drafter.parameters()]
-        for state in trainer.optimizer.state.values():
+        local = [p.to_local() if isinstance(p, DTensor) else p for p in self.drafter.parameters()]
+        for state in self.optimizer.state.values():
             local += [
                 v.to_local() if isinstance(v, DTensor) else v for v in state.values() if torch.is_tensor(v)
             ]
@@ -203,7 +241,7 @@ class Checkpointer:
         if float(self.topo.drafter_sum_(bad)) > 0:
             last = latest_checkpoint(self.out / "checkpoints") if self.out else None
             raise NonFiniteError(
-                f"step {trainer.step}: the drafter's weights or optimizer state hold NaN or infinity, so "
+                f"step {step}: the drafter's weights or optimizer state hold NaN or infinity, so "
                 f"no checkpoint is written; the last checkpoint, all finite: {last or 'none'}. Lower "
                 "optim.lr or check the data."
             )
