@@ -96,8 +96,8 @@ def main() -> None:
 
 def _time(attend, qkv, grad_out, mask, options, iters: int):
     """Median forward and backward milliseconds (CUDA events, after 3 warm-up calls) and the gradients.
-    Session 18's table was timed without the queued sleep: its forward column moved by up to 30% between
-    settings that share the forward kernel, the host's launch time included."""
+    A sleep is queued before each timed call: without it the forward column moves by up to 30% between
+    settings that share the forward kernel, because the host's launch time is included."""
     leaves = [t.detach().requires_grad_() for t in qkv]
     fwd_ms, bwd_ms = [], []
     for i in range(iters + 3):

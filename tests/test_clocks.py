@@ -10,7 +10,7 @@ from flashdraft.distributed.exchange import BusyClock
 
 def test_a_lap_after_a_restart_counts_from_the_restart():
     """The proof restarts its clock after saving each stage; the next stage's lap must not include
-    the stages before (session 3 found the drafters' lap holding the whole prepare stage)."""
+    the stages before it (a drafter's lap would otherwise hold the whole prepare stage)."""
     clock = StageClock()
     time.sleep(0.2)
     clock.restart()

@@ -1,4 +1,4 @@
-"""The training semantics of dflash.md section 2: anchors, visibility, labels, weights."""
+"""The training semantics of docs/dflash.md: anchors, visibility, labels, weights."""
 
 import math
 

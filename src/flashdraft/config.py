@@ -323,7 +323,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     "finetune": {"optim": {"lr": 6e-5, "warmup_ratio": 0.01}},
     "qwen3_8b_h200": {
         "drafter": {"num_layers": 5, "num_taps": 5},
-        # two rows a micro-batch: 70.3% MFU on one H200 against 66.3% at one (44.8 GiB; session 19)
+        # two rows a micro-batch: 70.3% MFU on one H200 against 66.3% at one (44.8 GiB; docs/results.md)
         "data": {"seq_len": 3072, "rows_per_batch": 2},
         "num_anchors": 512,
     },

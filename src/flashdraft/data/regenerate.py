@@ -1,5 +1,5 @@
 """`flashdraft data regenerate`: the target rewrites every assistant turn, so the drafter learns the target's
-own distribution rather than the dataset author's (docs/dflash.md, section 2).
+own distribution rather than the dataset author's (docs/dflash.md, training semantics).
 
 Turn by turn: assistant turn k is generated from the conversation with turns < k already rewritten, as
 the target sees it when serving; a conversation that ends with a user turn gets an answer appended. Two
@@ -204,7 +204,7 @@ class LocalBackend:
     Conversations are batched `batch_size` at a time; within a batch, round k generates every
     conversation's k-th assistant turn in one `generate` call. While a batch generates, a worker thread
     reads the next one and encodes its first round: at batch 8192 on an H200 a third of a batch's 7.0 s
-    was chat templates, tokenizing and decoding around `generate` (benchmarks/proof_stages.py).
+    was chat templates, tokenizing and decoding around `generate` (experiments/studies/proof_stages.py).
 
     cache="static": generate on transformers' StaticCache, whose decoding step transformers compiles
     and replays as a CUDA graph on a GPU: 880 conversations/s instead of 386 for the proof's 95M target
@@ -374,7 +374,7 @@ class LocalBackend:
         return dict(
             self.tokenizer(
                 texts,
-                return_tensors="np",  # then torch: 1.30 s against 1.59 (benchmarks/regen_host.py)
+                return_tensors="np",  # then torch: 1.30 s against 1.59 (experiments/studies/regen_host.py)
                 padding=True,
                 padding_side="left",
                 add_special_tokens=False,

@@ -2,8 +2,8 @@
 
 One verification loop, `generate`, serves three methods so that all are measured by the same code:
 DFlash drafts (`DFlashProposer`), prompt-lookup drafts (`flashdraft.eval.ngram.NgramProposer`) and
-no drafts at all (plain autoregressive decoding, the speed baseline). It follows dflash.md section 3
-and the reference `dflash` package step for step, so its tau is the reference's tau:
+no drafts at all (plain autoregressive decoding, the speed baseline). It follows the decoding of
+docs/dflash.md and the reference `dflash` package step for step, so its tau is the reference's tau:
 
 - prefill: the target runs the prompt and picks the first new token; the tapped features of every
   prompt token become the drafter's first context rows;

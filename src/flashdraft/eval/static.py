@@ -1,10 +1,10 @@
 """Fixed-shape decoding for the eval loop, so that each forward can replay as a CUDA graph.
 
 Why: decoding one prompt runs hundreds of small forwards, and in eager mode each costs its host
-time: a one-token forward of the proof's 95M target took 23 ms on the H200 host (docs/results.md,
-attempt 5), far above its GPU time, so a one-token forward and a 16-token verify cost the same and
-the eval measures Python. A CUDA graph replays a captured forward with one launch: on the H200,
-plain decoding went from 12.4 to 1.9 ms per token (benchmarks/decode_overhead.py, session 5).
+time: a one-token forward of the proof's 95M target took 23 ms on the H200 host (docs/results.md),
+far above its GPU time, so a one-token forward and a 16-token verify cost the same and the eval
+measures Python. A CUDA graph replays a captured forward with one launch: on the H200, plain
+decoding takes 1.9 ms per token instead of 12.4 (benchmarks/decode_overhead.py, docs/results.md).
 Graphs need fixed shapes and fixed addresses:
 
 - the target keeps its KV in transformers' `StaticCache`. Before a forward at positions p..p+n-1

@@ -1,4 +1,4 @@
-"""Drafter checkpoints in the z-lab layout (dflash.md section 4), written atomically.
+"""Drafter checkpoints in the z-lab layout (docs/dflash.md), written atomically.
 
 The directory holds config.json and model.safetensors exactly as SGLang, vLLM and the reference
 `dflash` package load them. Directories are written under a temporary name and renamed when

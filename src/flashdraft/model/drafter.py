@@ -31,11 +31,11 @@ from transformers.models.qwen3.modeling_qwen3 import (
 # this sees which tokens the context holds but nothing the target computed of them (an ablation).
 EMBEDDINGS = -1
 
-# Compiled once at module level (design.md): every call site shares one compiled kernel.
+# Compiled once at module level (docs/architecture.md): every call site shares one compiled kernel.
 _compiled_flex_attention = torch.compile(flex_attention, dynamic=False)
 # The compiled kernel's backward on CUDA with two pipeline stages instead of torch's three: at the
 # qwen3-8b drafter's shape 3.60 -> 2.97 ms a layer alone, and the two-row step's backward phase
-# 168.4 -> 163.0 ms (one H200, torch 2.11; docs/results.md, sessions 18-19); gradients equal the
+# 168.4 -> 163.0 ms (one H200, torch 2.11; docs/results.md); gradients equal the
 # default kernel's within 2e-2 (bf16).
 CUDA_FLEX_OPTIONS = {"bwd_num_stages": 2}
 
@@ -158,7 +158,7 @@ def _count(n: int) -> str:
 
 
 class DFlashDrafter(nn.Module):
-    """DFlash drafter (dflash.md section 1).
+    """DFlash drafter (docs/dflash.md, the drafter).
 
     config: a Qwen3Config of the drafter with the DFlash fields `target_layer_ids`,
     `num_target_layers`, `block_size` and `mask_token_id` set as attributes.

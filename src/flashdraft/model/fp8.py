@@ -7,7 +7,7 @@ nothing is differentiated through it.
 Hand-written over torch's own op because the libraries that do this refuse the CPU: torchao's float8
 inference asserts CUDA of compute capability >= 8.9 (or MI300, XPU), and transformers' fine-grained FP8
 is a block-wise triton kernel. What FP8 features cost in served tau is measured in docs/results.md
-(session 17; docs/recipe.md).
+and docs/recipe.md.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ query heads (`repeat_kv`) and packs one query token's heads into their groups on
 torch.compile. A compiled decoding step on a static cache (`LocalBackend(cache="static")`) therefore
 copies the whole cache `num_key_value_groups` times in every layer and step, and attends over the copy:
 on the proof's target (12 query heads, 4 key/value heads) at batch 8192 on an H200 the copy took 41%
-and the attention 39% of the GPU time (`benchmarks/proof_stages.py --profile`, docs/results.md).
+and the attention 39% of the GPU time (`experiments/studies/proof_stages.py --profile`, docs/results.md).
 
 Here one query token's heads are laid out as (key/value head, group) rows, so each cached head is read
 once, and attend by one of three kernels:
