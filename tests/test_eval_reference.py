@@ -169,7 +169,7 @@ def test_the_real_target_flow_sets_the_reference_package_beside_our_eval(tiny_ta
     from flashdraft.model.checkpoint import write_zlab
     from flashdraft.model.drafter import DFlashDrafter, drafter_config
     from flashdraft.model.target import load_target
-    from flashdraft.train.trainer import init_drafter_
+    from flashdraft.train.build import init_drafter_
 
     model, _ = load_target(tiny_target_dir)
     drafter = DFlashDrafter(drafter_config(model.config, 1, None, 2, 8, 3))
@@ -185,3 +185,36 @@ def test_the_real_target_flow_sets_the_reference_package_beside_our_eval(tiny_ta
     ref = reference_on_prompts(tmp_path / "ckpt", tiny_target_dir, tmp_path, records, scale, ours)
     assert ref["samples_with_our_tau"] == 3 and ref["tau"] == pytest.approx(ref["our_tau"])
     assert (tmp_path / "export" / "zlab" / "config.json").is_file()
+
+
+def test_eval_reference_sets_the_reference_package_beside_our_tau(tiny_target_dir, tmp_path):
+    """`flashdraft eval --reference`: the same prompts decoded by the reference package on the export,
+    its tau in the report beside ours, prompt by prompt."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from flashdraft.cli.main import app
+    from flashdraft.model.checkpoint import write_zlab
+    from flashdraft.model.drafter import DFlashDrafter, drafter_config
+    from flashdraft.model.target import load_target
+    from flashdraft.train.build import init_drafter_
+
+    model, _ = load_target(tiny_target_dir)
+    drafter = DFlashDrafter(drafter_config(model.config, 1, None, 2, 8, 3))
+    init_drafter_(drafter, 0.1, seed=0)
+    (tmp_path / "ckpt").mkdir()
+    write_zlab(drafter, tmp_path / "ckpt")
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": t}) + "\n" for t in ("def main():", "import os")))
+    args = ["eval", "--target", str(tiny_target_dir), "--drafter", str(tmp_path / "ckpt")]
+    args += ["--prompts", str(prompts), "--max-new-tokens", "12", "--device", "cpu", "--reference"]
+    sampled = CliRunner().invoke(app, [*args, "--out", str(tmp_path / "r1.json"), "--temperature", "1"])
+    assert sampled.exit_code == 2 and "--temperature 0" in sampled.output
+    result = CliRunner().invoke(app, [*args, "--out", str(tmp_path / "r.json")])
+    assert result.exit_code == 0, result.output
+    report = json.loads((tmp_path / "r.json").read_text())
+    ref = report["reference"]
+    assert ref["tau_per_sample"] == pytest.approx(report["dflash"]["tau_per_sample"])
+    assert ref["samples_with_our_tau"] == 2
+    assert "equal on 2 of 2 prompts" in result.output

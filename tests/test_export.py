@@ -14,7 +14,7 @@ from flashdraft.cli.eval import export_cmd
 from flashdraft.export.formats import export_checkpoint
 from flashdraft.model.checkpoint import load_drafter, write_zlab
 from flashdraft.model.drafter import DFlashDrafter, drafter_config
-from flashdraft.train.trainer import init_drafter_
+from flashdraft.train.build import init_drafter_
 from helpers import BLOCK, MASK_ID, VOCAB, tiny_drafter, tiny_target
 
 # Keys of the config.json that speculators 0.9.0 writes for a converted z-lab DFlash checkpoint
@@ -197,8 +197,8 @@ def test_export_cli_takes_the_speculators_verifier_from_the_run_config(ckpt, tmp
 
 def test_export_cli_reports_bad_requests(ckpt, tmp_path):
     runner, app = CliRunner(), _cli()
-    result = runner.invoke(app, ["export", str(ckpt), "--format", "gguf", "--out", str(tmp_path / "a")])
-    assert result.exit_code == 2 and "unknown format 'gguf'" in result.output
+    result = runner.invoke(app, ["export", str(ckpt), "--format", "onnx", "--out", str(tmp_path / "a")])
+    assert result.exit_code == 2 and "unknown format 'onnx'" in result.output
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "x").write_text("keep me")
     result = runner.invoke(app, ["export", str(ckpt), "--out", str(tmp_path / "full")])

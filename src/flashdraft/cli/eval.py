@@ -5,7 +5,9 @@ The main app registers them with `app.command("eval")(eval_cmd)` and `app.comman
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import tempfile
 from pathlib import Path
 
 import typer
@@ -43,12 +45,21 @@ def eval_cmd(
     target_attention: str = typer.Option(
         "auto", help="the target's attention: auto (sdpa where the model supports it, else eager), or a name"
     ),
+    reference: bool = typer.Option(
+        False,
+        help="also decode with the reference `dflash` package (pip install --no-deps dflash==0.1.0) on the "
+        "z-lab export, and count the prompts where its tau equals ours (T = 0 only)",
+    ),
 ) -> None:
     """Speculative decoding with target + drafter: tau, per-position acceptance, speedup vs plain decoding
     and vs prompt lookup (n-gram), written as a JSON report with a plot."""
     from flashdraft.eval.report import compare_methods, print_table, write_report
     from flashdraft.eval.spec import read_prompts
 
+    if reference and temperature > 0:
+        _fail("--reference compares greedy decoding: use it with --temperature 0")
+    if reference and importlib.util.find_spec("dflash") is None:
+        _fail("--reference needs the reference package: pip install --no-deps dflash==0.1.0")
     try:
         conversations = read_prompts(prompts, max_prompts)
         report = compare_methods(
@@ -68,9 +79,37 @@ def eval_cmd(
     except (ValueError, FileNotFoundError, OSError) as e:
         _fail(str(e))
     report["settings"]["prompts"] = str(prompts)
+    if reference:
+        report["reference"] = _reference(report, target, drafter, conversations, thinking, max_new_tokens)
     json_path, png_path = write_report(report, out)
     print_table(report)
+    if reference:
+        ref = report["reference"]
+        typer.echo(
+            f"reference dflash: tau {ref['tau']:.3f} against ours {ref['our_tau']:.3f}, "
+            f"equal on {ref['samples_with_our_tau']} of {len(ref['tau_per_sample'])} prompts"
+        )
     typer.echo(f"report {json_path}, plot {png_path}")
+
+
+def _reference(report: dict, target: str, drafter: Path, conversations, thinking: bool, max_new: int) -> dict:
+    """The reference package's tau beside ours, on the prompts and settings of `report`."""
+    from flashdraft.eval.reference import reference_beside_ours
+    from flashdraft.eval.spec import encode_prompt
+    from flashdraft.model.target import load_tokenizer
+
+    tokenizer = load_tokenizer(target)
+    ids = [encode_prompt(tokenizer, c, thinking) for c in conversations]
+    with tempfile.TemporaryDirectory() as tmp:
+        return reference_beside_ours(
+            drafter,
+            target,
+            ids,
+            report["dflash"]["tau_per_sample"],
+            max_new,
+            report["settings"]["device"],
+            Path(tmp) / "zlab",
+        )
 
 
 def _run_target(ckpt: Path) -> str | None:
@@ -92,17 +131,23 @@ def export_cmd(
     ckpt: Path = typer.Argument(
         ..., help="drafter checkpoint directory (z-lab layout), e.g. RUN/checkpoints/step_N"
     ),
-    fmt: str = typer.Option("zlab", "--format", help="zlab (SGLang, vLLM, dflash) or speculators (vLLM)"),
-    out: Path = typer.Option(..., help="output directory (created; must be empty if it exists)"),
+    fmt: str = typer.Option(
+        "zlab", "--format", help="zlab (SGLang, vLLM, dflash), speculators (vLLM) or gguf (llama.cpp)"
+    ),
+    out: Path = typer.Option(
+        ..., help="output directory (created; must be empty if it exists); for gguf the .gguf file"
+    ),
     target: str | None = typer.Option(
         None,
-        help="speculators only: the verifier's hub id or path (default: the target the checkpoint records)",
+        help="speculators: the verifier's hub id or path; gguf: the target's .gguf file "
+        "(default: the target the checkpoint records)",
     ),
 ) -> None:
-    """Validate a checkpoint and write it in an engine's layout: config.json + model.safetensors, bf16."""
+    """Validate a checkpoint and write it in an engine's layout: config.json + model.safetensors, bf16,
+    or one GGUF file for llama.cpp."""
     from flashdraft.export.formats import export_checkpoint
 
-    verifier = target or (_run_target(ckpt) if fmt == "speculators" else None)
+    verifier = target or (_run_target(ckpt) if fmt in ("speculators", "gguf") else None)
     try:
         path = export_checkpoint(ckpt, fmt, out, verifier)
     except (ValueError, OSError) as e:

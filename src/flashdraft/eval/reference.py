@@ -31,3 +31,27 @@ def reference_tau(
         lengths = out.acceptance_lengths
         taus.append(sum(lengths) / len(lengths) if lengths else float("nan"))
     return {"tau": mean_tau(taus), "tau_per_sample": taus}
+
+
+def reference_beside_ours(
+    checkpoint: Path,
+    target: str | Path,
+    prompt_ids: list[list[int]],
+    ours: list[float],
+    max_new: int,
+    device,
+    export_dir: Path,
+) -> dict:
+    """The checkpoint exported to the z-lab layout in `export_dir` (kept if already there: the export is
+    atomic) and decoded by the reference package at T = 0; `ours` is our DFlash tau on each prompt, and
+    `samples_with_our_tau` counts the prompts where the two agree."""
+    from flashdraft.export.formats import export_checkpoint
+
+    if not Path(export_dir).exists():
+        export_checkpoint(checkpoint, "zlab", export_dir)
+    ref = reference_tau(export_dir, target, prompt_ids, max_new, device)
+    ref["samples_with_our_tau"] = sum(
+        abs(a - b) < 1e-6 for a, b in zip(ref["tau_per_sample"], ours, strict=True)
+    )
+    ref["our_tau"] = sum(ours) / len(ours)
+    return ref

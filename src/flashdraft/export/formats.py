@@ -1,6 +1,6 @@
 """Engine-ready drafter checkpoints: the z-lab layout and vLLM's speculators layout.
 
-z-lab (dflash.md section 4) is what SGLang, vLLM (`method: "dflash"`) and the reference `dflash`
+z-lab (docs/dflash.md) is what SGLang, vLLM (`method: "dflash"`) and the reference `dflash`
 package load: config.json + model.safetensors, nothing else. The speculators layout is the one
 vllm-project/speculators writes for DFlash (`speculators_model_type: "dflash"`) and vLLM reads
 through its speculators config path. Its field names follow speculators 0.9.0
@@ -10,7 +10,8 @@ output (`aux_hidden_state_layer_ids` = z-lab id + 1, which vLLM maps back with -
 are the z-lab ones under the same names (speculators saves neither the embedding nor a full-vocab
 lm_head; both come from the verifier at load time).
 
-Both are written under a temporary name and renamed when complete.
+Both are written under a temporary name and renamed when complete. `gguf` (llama.cpp's DFlash drafter
+file) is written by flashdraft.export.gguf_drafter from the same validated checkpoint.
 """
 
 from __future__ import annotations
@@ -24,12 +25,13 @@ import torch
 import transformers
 from transformers import Qwen3Config
 
+from flashdraft.export.gguf_drafter import write_gguf_drafter
 from flashdraft.model.checkpoint import read_config, read_weights, write_weights_and_config
 from flashdraft.model.drafter import LAST_LAYER
 
 CONFIG = "config.json"
 WEIGHTS = "model.safetensors"
-FORMATS = ("zlab", "speculators")
+FORMATS = ("zlab", "speculators", "gguf")
 SPECULATORS_VERSION = "0.9.0"  # the speculators release whose layout `speculators_config` follows
 
 QWEN3_FIELDS = (
@@ -239,13 +241,21 @@ def verifier_architectures(verifier: str) -> list[str]:
 def export_checkpoint(
     ckpt_dir: str | Path, fmt: str, out_dir: str | Path, verifier: str | None = None
 ) -> Path:
-    """Validate a z-lab checkpoint and write it as `fmt` (zlab or speculators) into out_dir, in bf16.
+    """Validate a z-lab checkpoint and write it as `fmt` into out_dir (zlab, speculators) or the file
+    out_dir (gguf: llama.cpp's DFlash drafter), weights in bf16.
 
-    verifier: the target's hub id or path, recorded in the speculators config (required there).
+    verifier: the target's hub id or path, recorded in the speculators config (required there); for gguf,
+    the target's .gguf file, whose tokenizer the drafter's file takes.
     """
     if fmt not in FORMATS:
         raise ValueError(f"unknown format {fmt!r}; choose one of {list(FORMATS)}")
     cfg, weights = read_zlab(ckpt_dir)
+    if fmt == "gguf":
+        if not verifier:
+            raise ValueError(
+                "the gguf export takes its tokenizer from the target: give the target's .gguf file"
+            )
+        return write_gguf_drafter(cfg, weights, verifier, out_dir)
     if fmt == "zlab":
         ids = cfg["dflash_config"]["target_layer_ids"]
         out_cfg = {**cfg, "torch_dtype": "bfloat16", "eagle_aux_hidden_state_layer_ids": [i + 1 for i in ids]}

@@ -1,0 +1,238 @@
+"""A drafter as the GGUF file llama.cpp's DFlash speculative decoding loads (`llama-server -md`).
+
+llama.cpp converts a z-lab directory with `convert_hf_to_gguf.py DRAFTER --target-model-dir TARGET`, but
+that script lives in llama.cpp's source tree, not in an installable package, so this module writes the
+same file with the `gguf` package. Tensor names, metadata keys and value types follow build 11434's
+converter (`conversion/qwen.py`, `DFlashModel`) and its loader (`src/models/dflash.cpp`,
+`common/speculative.cpp`):
+
+- `general.architecture` "dflash"; the draft Qwen3 shape under `dflash.*`; `dflash.block_size`;
+  `dflash.target_layers` = z-lab `target_layer_ids` + 1 (llama.cpp extracts a layer's input, which is the
+  previous layer's output); the mask token as `tokenizer.ggml.mask_token_id`;
+- the tokenizer: every `tokenizer.*` key of the target's own GGUF, the file llama-server serves, so the
+  drafter's vocabulary is the one the server checks it against (the converter rebuilds the same keys
+  from the target's HF tokenizer);
+- weights as the converter writes a bf16 checkpoint: matrices in bf16, norms in f32; no embedding and no
+  lm_head (llama.cpp takes the target's).
+
+What llama.cpp has no field for (attention biases, an activation other than SiLU, RoPE scaling other
+than linear and YaRN) is refused, as is a target GGUF that does not match the drafter.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+
+import gguf
+import numpy as np
+import torch
+
+ARCH = "dflash"
+GGUF_SUFFIX = ".gguf"
+
+_GLOBAL_TENSORS = {
+    "fc.weight": "fc.weight",
+    "hidden_norm.weight": "enc.output_norm.weight",
+    "norm.weight": "output_norm.weight",
+}
+_LAYER_TENSORS = {
+    "input_layernorm.weight": "attn_norm.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "self_attn.q_norm.weight": "attn_q_norm.weight",
+    "self_attn.k_norm.weight": "attn_k_norm.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+}
+_SERVED_ROPE = ("default", "linear", "yarn")
+
+
+def gguf_tensor_name(name: str) -> str:
+    """llama.cpp's name for a z-lab tensor (`layers.3.mlp.up_proj.weight` -> `blk.3.ffn_up.weight`)."""
+    if name in _GLOBAL_TENSORS:
+        return _GLOBAL_TENSORS[name]
+    _, layer, rest = name.split(".", 2)
+    return f"blk.{layer}.{_LAYER_TENSORS[rest]}"
+
+
+def _rope(cfg: dict) -> dict:
+    return {"rope_theta": cfg.get("rope_theta"), **(cfg.get("rope_parameters") or {})}
+
+
+def serving_problems(cfg: dict) -> list[str]:
+    """What in a valid z-lab config llama.cpp's DFlash drafter has no field for."""
+    problems = []
+    if cfg.get("attention_bias", False):
+        problems.append("attention_bias: llama.cpp's DFlash drafter has no attention biases")
+    if cfg.get("hidden_act", "silu") != "silu":
+        problems.append(
+            f"hidden_act {cfg['hidden_act']!r}: the converter writes no activation, so llama.cpp runs SiLU"
+        )
+    rope_type = _rope(cfg).get("rope_type", "default")
+    if rope_type not in _SERVED_ROPE:
+        problems.append(
+            f"rope_type {rope_type!r}: the converter writes RoPE scaling only for {list(_SERVED_ROPE)}"
+        )
+    return problems
+
+
+class TargetGGUF:
+    """What the drafter's file takes from the target's GGUF: its tokenizer keys and the shape to check."""
+
+    def __init__(self, path: str | Path):
+        path = Path(path)
+        if path.suffix != GGUF_SUFFIX or not path.is_file():
+            raise ValueError(
+                f"{path}: the gguf export needs the target as the .gguf file llama-server serves "
+                "(convert an HF target with llama.cpp's convert_hf_to_gguf.py)"
+            )
+        reader = gguf.GGUFReader(path)
+        self.path = path
+        self.arch = reader.fields["general.architecture"].contents()
+        self.fields = {k: f for k, f in reader.fields.items() if k.startswith("tokenizer.")}
+        self.num_layers = self._int(reader, "block_count")
+        self.hidden_size = self._int(reader, "embedding_length")
+        tokens = self.fields.get("tokenizer.ggml.tokens")
+        self.vocab_size = len(tokens.data) if tokens is not None else None
+        sections = reader.fields.get(f"{self.arch}.rope.dimension_sections")
+        self.mrope = sections is not None and any(sections.contents())
+
+    def _int(self, reader: gguf.GGUFReader, key: str) -> int | None:
+        field = reader.fields.get(f"{self.arch}.{key}")
+        return int(field.contents()) if field is not None else None
+
+    def problems(self, cfg: dict) -> list[str]:
+        """Where the drafter was not made for this target."""
+        expect = {
+            "layers": (self.num_layers, cfg["num_target_layers"]),
+            "hidden size": (self.hidden_size, cfg["hidden_size"]),
+            "vocabulary": (self.vocab_size, cfg["vocab_size"]),
+        }
+        return [
+            f"the target has {what} {have}, the drafter was trained for {want}"
+            for what, (have, want) in expect.items()
+            if have != want
+        ]
+
+
+def _add_tokenizer(writer: gguf.GGUFWriter, target: TargetGGUF, mask_token_id: int) -> None:
+    for key, field in target.fields.items():
+        if key == gguf.Keys.Tokenizer.MASK_ID:
+            continue
+        vtype = field.types[0]
+        sub_type = field.types[1] if vtype == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(key, field.contents(), vtype, sub_type)
+    writer.add_uint32(gguf.Keys.Tokenizer.MASK_ID, mask_token_id)
+
+
+def _add_rope(writer: gguf.GGUFWriter, rope: dict) -> None:
+    """The RoPE keys the converter writes (`TextModel.set_gguf_parameters`) for the types it serves."""
+    kind, factor = rope.get("rope_type", "default"), rope.get("factor")
+    if kind == "linear" and factor is not None:
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(factor)
+    elif kind == "yarn" and factor is not None:
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(factor)
+        writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+        optional = {
+            "extrapolation_factor": writer.add_rope_scaling_yarn_ext_factor,
+            "attention_factor": writer.add_rope_scaling_yarn_attn_factor,
+            "beta_fast": writer.add_rope_scaling_yarn_beta_fast,
+            "beta_slow": writer.add_rope_scaling_yarn_beta_slow,
+        }
+        for key, add in optional.items():
+            if rope.get(key) is not None:
+                add(rope[key])
+    writer.add_rope_freq_base(rope["rope_theta"])
+
+
+def _add_shape(writer: gguf.GGUFWriter, cfg: dict) -> None:
+    writer.add_block_count(cfg["num_hidden_layers"])
+    writer.add_context_length(cfg["max_position_embeddings"])
+    writer.add_embedding_length(cfg["hidden_size"])
+    writer.add_feed_forward_length(cfg["intermediate_size"])
+    writer.add_head_count(cfg["num_attention_heads"])
+    writer.add_head_count_kv(cfg["num_key_value_heads"])
+    _add_rope(writer, _rope(cfg))
+    writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    writer.add_key_length(cfg["head_dim"])
+    writer.add_value_length(cfg["head_dim"])
+    writer.add_file_type(gguf.LlamaFileType.MOSTLY_BF16)
+
+
+def _add_dflash(writer: gguf.GGUFWriter, cfg: dict, target: TargetGGUF) -> None:
+    """The DFlash keys of `DFlashModel.set_gguf_parameters`, in its order."""
+    dflash = cfg["dflash_config"]
+    writer.add_uint32(f"{ARCH}.block_size", dflash.get("block_size", cfg.get("block_size", 16)))
+    if target.arch.startswith("gemma"):  # the draft shares Gemma's embeddings, scaled by sqrt(hidden)
+        writer.add_embedding_scale(target.hidden_size**0.5)
+    writer.add_array(f"{ARCH}.target_layers", [i + 1 for i in dflash["target_layer_ids"]])
+    use_swa = cfg.get("use_sliding_window", False) or dflash.get("use_swa", False)
+    window = dflash.get("swa_window_size") or cfg.get("sliding_window")
+    if use_swa and window:
+        layer_types = cfg.get("layer_types") or []
+        pattern = (
+            [True] * cfg["num_hidden_layers"]
+            if dflash.get("use_swa")
+            else [t == "sliding_attention" for t in layer_types]
+        )
+        writer.add_sliding_window(window)
+        writer.add_sliding_window_pattern(pattern)
+    causal = cfg.get("is_causal", dflash.get("causal"))
+    if causal is not None:
+        writer.add_causal_attention(bool(causal))
+    if target.mrope:  # the draft ropes on the temporal dimension only
+        writer.add_rope_dimension_sections([cfg["head_dim"] // 2, 0, 0, 0])
+
+
+def _add_tensors(writer: gguf.GGUFWriter, weights: dict[str, torch.Tensor]) -> None:
+    """In the converter's order (the safetensors file's, sorted by name) and types (1-D in f32)."""
+    for name in sorted(weights):
+        tensor = weights[name].detach().cpu()
+        if tensor.ndim == 1:
+            writer.add_tensor(gguf_tensor_name(name), tensor.float().numpy())
+        else:
+            bits = tensor.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+            writer.add_tensor(gguf_tensor_name(name), bits, raw_dtype=gguf.GGMLQuantizationType.BF16)
+
+
+def write_gguf_drafter(
+    cfg: dict, weights: dict[str, torch.Tensor], target: str | Path, out: str | Path
+) -> Path:
+    """Write a validated z-lab drafter (config, tensors) as llama.cpp's DFlash GGUF at `out`.
+
+    target: the target's .gguf file (tokenizer and shape come from it). ValueError lists every problem.
+    """
+    out = Path(out)
+    if out.exists():
+        raise FileExistsError(f"{out} exists")
+    if out.suffix != GGUF_SUFFIX:
+        raise ValueError(f"{out}: the gguf export writes one file; name it *{GGUF_SUFFIX}")
+    target_file = TargetGGUF(target)
+    problems = serving_problems(cfg) + target_file.problems(cfg)
+    if problems:
+        raise ValueError("llama.cpp cannot serve this drafter:\n  " + "\n  ".join(problems))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".tmp-{out.name}")
+    writer = gguf.GGUFWriter(tmp, ARCH)
+    _add_tensors(writer, weights)
+    writer.add_type(gguf.GGUFType.MODEL)
+    total = sum(math.prod(t.shape) for t in weights.values())
+    writer.add_size_label(gguf.size_label(total, total, 0, 0))
+    _add_shape(writer, cfg)
+    _add_dflash(writer, cfg, target_file)
+    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    _add_tokenizer(writer, target_file, cfg["dflash_config"]["mask_token_id"])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    os.replace(tmp, out)
+    return out
