@@ -1,6 +1,6 @@
 """Mirror a run directory to S3-compatible storage in the background, and restore a run from it.
 
-A run on a lent machine must outlive the machine: checkpoints, train.log and metrics.jsonl are
+A run on a preemptible machine must outlive it: checkpoints, train.log and metrics.jsonl are
 copied to `s3://bucket/prefix/` as they are written, and `restore_run` rebuilds the run directory on
 a fresh machine so training resumes there. Training never waits on the store: one background thread
 uploads and retries with exponential backoff through outages. boto3 moves the bytes and resolves
