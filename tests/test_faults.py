@@ -16,7 +16,7 @@ from helpers import random_docs
 
 pytestmark = pytest.mark.slow
 
-STEPS = 8
+STEPS = 12  # enough steps that a run is killed several times before it ends, at any machine load
 CONFIG = """
 data: {seq_len: 128, rows_per_batch: 2}
 num_anchors: 8
