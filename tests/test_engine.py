@@ -1,5 +1,8 @@
 """`flashdraft export --format gguf`: the drafter as the DFlash GGUF llama.cpp loads, read back with
-gguf.GGUFReader (names, metadata and tensors as llama.cpp build 11434's converter writes them)."""
+gguf.GGUFReader (names, metadata and tensors as llama.cpp build 11434's converter writes them); and
+`flashdraft engine-check`, which serves it with a built llama-server (skipped without one)."""
+
+import json
 
 import gguf
 import numpy as np
@@ -71,3 +74,93 @@ def test_gguf_export_refuses_a_target_or_option_llama_cpp_cannot_serve(drafter_a
     with pytest.raises(ValueError, match=r"the \.gguf file llama-server serves"):
         export_checkpoint(ckpt, "gguf", tmp_path / "d.gguf", str(tmp_path))
     assert not (tmp_path / "d.gguf").exists()
+
+
+# ---- `flashdraft engine-check`: the drafter served by a built llama-server -----------------------
+
+
+@pytest.fixture
+def llama_server():
+    from flashdraft.eval.engine import find_server
+
+    try:
+        return find_server()
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+
+
+def _servers_serving(path) -> list[str]:
+    """Command lines of the live processes that name `path` (a zombie's command line is empty)."""
+    from pathlib import Path
+
+    lines = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            text = cmdline.read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if "llama-server" in text and str(path) in text:
+            lines.append(text)
+    return lines
+
+
+@pytest.fixture
+def served_files(tiny_tokenizer, tmp_path):
+    """A tiny Llama target as a GGUF llama.cpp loads, a drafter for it exported as GGUF, two prompts."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from flashdraft.model.drafter import DFlashDrafter, drafter_config
+    from flashdraft.train.build import init_drafter_
+    from test_gguf import write_gguf
+
+    tok = tiny_tokenizer
+    config = AutoConfig.for_model(
+        "llama", vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=6,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False,
+        eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    write_gguf(model, tok, tmp_path / "target.gguf")
+    mask_id = tok.convert_tokens_to_ids("<|mask|>")
+    drafter = DFlashDrafter(drafter_config(model.config, 1, None, 2, BLOCK, mask_id))
+    init_drafter_(drafter, std=0.1, seed=0)
+    (tmp_path / "ckpt").mkdir()
+    write_zlab(drafter.eval(), tmp_path / "ckpt")
+    export_checkpoint(tmp_path / "ckpt", "gguf", tmp_path / "drafter.gguf", str(tmp_path / "target.gguf"))
+    (tmp_path / "prompts.jsonl").write_text('{"prompt": "add two numbers"}\n{"prompt": "open a file"}\n')
+    return tmp_path
+
+
+def _engine_check(files, drafter: str = "drafter.gguf"):
+    from typer.testing import CliRunner
+
+    from flashdraft.cli.main import app
+
+    args = ["engine-check", "--target", str(files / "target.gguf"), "--drafter", str(files / drafter),
+            "--prompts", str(files / "prompts.jsonl"), "--out", str(files / "engine" / "report.json"),
+            "--max-new-tokens", "24", "--threads", "1", "--draft-max", str(BLOCK - 1)]  # fmt: skip
+    return CliRunner().invoke(app, args)
+
+
+def test_engine_check_serves_the_drafter_losslessly_and_stops_the_server(llama_server, served_files):
+    result = _engine_check(served_files)
+    assert result.exit_code == 0, result.output
+    report = json.loads((served_files / "engine" / "report.json").read_text())
+    assert report["verify_steps"] > 0 and report["drafted"] > 0  # llama.cpp really drafted with it
+    assert report["tau"] >= 1
+    assert report["tau_pooled"] == pytest.approx(1 + report["accepted"] / report["verify_steps"])
+    assert report["completions"]["dflash"] == report["completions"]["plain"]  # lossless at T = 0
+    assert report["identical_to_plain"] == report["requests"] == 2
+    assert report["tokens_per_s_plain"] > 0 and report["tokens_per_s_drafter"] > 0
+    assert _servers_serving(served_files) == []
+
+
+def test_engine_check_names_a_server_that_dies_with_the_end_of_its_log(llama_server, served_files):
+    broken = served_files / "broken.gguf"
+    broken.write_bytes((served_files / "drafter.gguf").read_bytes()[:4096])  # a header, its tensors cut off
+    result = _engine_check(served_files, drafter=broken.name)
+    assert result.exit_code == 1
+    assert "llama-server exited with code" in result.output
+    assert "llama-server.dflash.log" in result.output and "broken.gguf" in result.output  # the log's tail
+    assert _servers_serving(served_files) == []

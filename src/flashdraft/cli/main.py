@@ -432,6 +432,7 @@ def _mount_subcommands() -> None:
     from flashdraft.cli.compare import compare_cmd
     from flashdraft.cli.data import data_app
     from flashdraft.cli.doctor import doctor_cmd
+    from flashdraft.cli.engine import engine_check_cmd
     from flashdraft.cli.eval import eval_cmd, export_cmd
 
     app.add_typer(data_app, name="data", help="Prepare and regenerate training data with the target.")
@@ -439,6 +440,7 @@ def _mount_subcommands() -> None:
     app.command("eval")(eval_cmd)
     app.command("export")(export_cmd)
     app.command("compare")(compare_cmd)
+    app.command("engine-check")(engine_check_cmd)
 
 
 _mount_subcommands()

@@ -1,0 +1,262 @@
+"""A drafter measured in a real engine: llama.cpp's `llama-server` decoding with the exported GGUF.
+
+Our tau comes from our own decode loop (flashdraft.eval.spec); engines are where drafters fail
+silently. This module serves the target twice on 127.0.0.1, with the drafter (DFlash speculative
+decoding) and without it, sends the same prompts at T = 0 one at a time, and reads the engine's own
+statistics: drafted and accepted tokens per request from its `timings`, verify steps from `/metrics`.
+
+Prompts are rendered and tokenized by our tokenizer (flashdraft.eval.spec.encode_prompt) and sent as
+token ids, so the engine decodes exactly the ids our eval decodes.
+
+Engine tau = 1 + accepted / verify steps (llama.cpp's "mean len"), per request, then the mean over
+requests as our tau is. It counts what ours counts (tokens committed per target verify, the first
+token from the prefill left out) except at the edges: llama.cpp decodes the last token of the budget
+without drafts and counts no step for it, where ours counts a cycle of 1; it counts drafts accepted
+past a stop token, where ours cuts the cycle at it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import socket
+import subprocess
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import httpx
+
+SERVER_ENV = "FLASHDRAFT_LLAMA_SERVER"
+DEFAULT_SERVER = Path.home() / ".cache/flashdraft/llama.cpp/build-portable/bin/llama-server"
+STEPS_METRIC = "llamacpp:spec_decode_num_drafts_total"
+TAU_DEFINITION = (
+    "engine tau = 1 + accepted drafts / verify steps (llama.cpp's mean len) per request, then the mean "
+    "over requests; the last token of the budget (decoded without drafts) is no step"
+)
+
+
+class ServerError(RuntimeError):
+    """llama-server died, did not answer in time, or refused a request (the tail of its log is in the
+    message where it stopped)."""
+
+
+def find_server(path: str | Path | None = None) -> Path:
+    """The llama-server binary: `path`, else $FLASHDRAFT_LLAMA_SERVER, else the one `make llama-server`
+    builds."""
+    server = Path(path or os.environ.get(SERVER_ENV) or DEFAULT_SERVER)
+    if not server.is_file():
+        raise FileNotFoundError(
+            f"{server}: no llama-server there; `make llama-server` builds it into {DEFAULT_SERVER.parent} "
+            f"(or name one with --server or ${SERVER_ENV})"
+        )
+    return server
+
+
+@dataclass
+class ServerOptions:
+    """How llama-server runs (CPU threads, tokens drafted per step at most, context per request) and how
+    long it may take to load and to answer one request."""
+
+    threads: int = 2
+    draft_max: int = 15
+    ctx_size: int = 4096
+    startup_timeout_s: float = 300.0
+    request_timeout_s: float = 300.0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _server_args(binary: Path, target: Path, drafter: Path | None, port: int, opts: ServerOptions) -> list:
+    args = [binary, "-m", target, "--host", "127.0.0.1", "--port", port, "-np", "1", "--metrics"]
+    args += ["-c", opts.ctx_size, "-t", opts.threads, "--no-webui"]
+    if drafter is not None:
+        args += ["-md", drafter, "--spec-type", "draft-dflash", "--spec-draft-n-max", opts.draft_max]
+        args += ["-td", opts.threads]
+    return [str(a) for a in args]
+
+
+class LlamaServer:
+    """One llama-server process, started on enter and always stopped on exit (errors and Ctrl-C too)."""
+
+    def __init__(self, binary: Path, target: Path, drafter: Path | None, log: Path, opts: ServerOptions):
+        self.port = _free_port()
+        self.args = _server_args(binary, target, drafter, self.port, opts)
+        self.log = log
+        self.opts = opts
+        self.process: subprocess.Popen | None = None
+        self.client = httpx.Client(base_url=f"http://127.0.0.1:{self.port}", timeout=opts.request_timeout_s)
+
+    def __enter__(self) -> LlamaServer:
+        with open(self.log, "wb") as log:
+            self.process = subprocess.Popen(
+                self.args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
+            )
+        try:
+            self._wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def stop(self) -> None:
+        self.client.close()
+        if self.process is None or self.process.poll() is not None:
+            return
+        self.process.terminate()
+        try:
+            self.process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+    def died(self, what: str) -> ServerError:
+        """The error for a server that stopped answering, with the tail of its log."""
+        with contextlib.suppress(subprocess.TimeoutExpired):  # a dropped connection comes before the exit
+            self.process.wait(timeout=2)
+        code = self.process.poll()
+        status = f"exited with code {code}" if code is not None else "is running but did not answer"
+        tail = self.log.read_text(errors="replace").splitlines()[-20:]
+        return ServerError(f"llama-server {status} ({what}); the end of {self.log}:\n" + "\n".join(tail))
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + self.opts.startup_timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise self.died("while loading")
+            with contextlib.suppress(httpx.TransportError):
+                if self.client.get("/health", timeout=2).status_code == 200:
+                    return
+            time.sleep(0.2)
+        raise self.died(f"not ready after {self.opts.startup_timeout_s:.0f} s")
+
+    def _request(self, method: str, path: str, **kwargs) -> httpx.Response:
+        try:
+            response = self.client.request(method, path, **kwargs)
+        except httpx.TimeoutException:
+            raise self.died(f"{path} took over {self.opts.request_timeout_s:.0f} s") from None
+        except httpx.TransportError as e:
+            raise self.died(f"{path}: {e}") from None
+        if response.status_code != 200:
+            raise ServerError(
+                f"llama-server answered {path} with {response.status_code}: {response.text[:500]}"
+            )
+        return response
+
+    def steps(self) -> int:
+        """Verify steps of speculative decoding so far (every finished request)."""
+        for line in self._request("GET", "/metrics").text.splitlines():
+            if line.startswith(STEPS_METRIC + " "):
+                return int(float(line.split()[1]))
+        raise ServerError(f"llama-server's /metrics has no {STEPS_METRIC}")
+
+    def complete(self, prompt_ids: list[int], max_new_tokens: int, seed: int) -> dict:
+        """One greedy completion of token ids, the prompt cache off so that each request stands alone."""
+        body = {"prompt": prompt_ids, "n_predict": max_new_tokens, "temperature": 0.0, "seed": seed}
+        body |= {"cache_prompt": False, "return_tokens": True, "stream": False}
+        return self._request("POST", "/completion", json=body).json()
+
+
+@dataclass
+class Request:
+    """One prompt's completion as the engine reports it."""
+
+    tokens: list[int]
+    text: str
+    predicted_n: int
+    predicted_ms: float
+    drafted: int = 0
+    accepted: int = 0
+    steps: int = 0
+
+    @property
+    def tau(self) -> float:
+        return 1 + self.accepted / self.steps if self.steps else math.nan
+
+
+def run_requests(
+    server: LlamaServer, prompts: list[list[int]], max_new_tokens: int, seed: int
+) -> list[Request]:
+    """Each prompt in turn (one slot: the step counter's change is that request's steps)."""
+    requests = []
+    before = server.steps()
+    for ids in prompts:
+        answer = server.complete(ids, max_new_tokens, seed)
+        after = server.steps()
+        timings = answer["timings"]
+        requests.append(
+            Request(
+                tokens=answer.get("tokens") or [],
+                text=answer["content"],
+                predicted_n=timings["predicted_n"],
+                predicted_ms=timings["predicted_ms"],
+                drafted=timings.get("draft_n", 0),
+                accepted=timings.get("draft_n_accepted", 0),
+                steps=after - before,
+            )
+        )
+        before = after
+    return requests
+
+
+def _mean(values: list[float]) -> float:
+    values = [v for v in values if not math.isnan(v)]
+    return sum(values) / len(values) if values else math.nan
+
+
+def tokens_per_second(requests: list[Request]) -> float:
+    """Tokens over decode time, summed over requests (the prefill excluded, as llama.cpp times it)."""
+    ms = sum(r.predicted_ms for r in requests)
+    return 1000 * sum(r.predicted_n for r in requests) / ms if ms else math.nan
+
+
+def summarize(drafted: list[Request], plain: list[Request]) -> dict:
+    """The report's figures from both runs over the same prompts."""
+    accepted, proposed = sum(r.accepted for r in drafted), sum(r.drafted for r in drafted)
+    steps = sum(r.steps for r in drafted)
+    with_drafter, without = tokens_per_second(drafted), tokens_per_second(plain)
+    return {
+        "tau": _mean([r.tau for r in drafted]),
+        "tau_pooled": 1 + accepted / steps if steps else math.nan,
+        "tau_per_request": [None if math.isnan(r.tau) else r.tau for r in drafted],
+        "acceptance_rate": accepted / proposed if proposed else math.nan,
+        "drafted": proposed,
+        "accepted": accepted,
+        "verify_steps": steps,
+        "tokens_per_s_drafter": with_drafter,
+        "tokens_per_s_plain": without,
+        "speedup": with_drafter / without,
+        "identical_to_plain": sum(d.tokens == p.tokens for d, p in zip(drafted, plain, strict=True)),
+        "requests": len(drafted),
+    }
+
+
+def engine_check(
+    server: Path,
+    target: Path,
+    drafter: Path,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    opts: ServerOptions,
+    log_dir: Path,
+    seed: int = 0,
+) -> dict:
+    """Serve target + drafter, then the target alone, over `prompts` (token ids); the report as a dict."""
+    runs = {}
+    for name, draft in (("dflash", drafter), ("plain", None)):
+        with LlamaServer(server, target, draft, log_dir / f"llama-server.{name}.log", opts) as s:
+            runs[name] = run_requests(s, prompts, max_new_tokens, seed)
+    report = summarize(runs["dflash"], runs["plain"])
+    report["tau_definition"] = TAU_DEFINITION
+    report["settings"] = {"server": str(server), "target": str(target), "drafter": str(drafter)}
+    report["settings"] |= {"max_new_tokens": max_new_tokens, "seed": seed, **asdict(opts)}
+    report["completions"] = {name: [r.text for r in rs] for name, rs in runs.items()}
+    return report
