@@ -16,8 +16,9 @@ humaneval=${HUMANEVAL:-64}
 tokens=${TOKENS:-192}
 if [ -n "${SMOKE:-}" ]; then
     scale=(--smoke) device=(--device cpu) prompts=${PROMPTS:-6} tokens=${TOKENS:-16} graphs=()
+    config=experiments/smollm2/smoke.yaml
 else
-    scale=() device=() graphs=(--cuda-graphs)
+    scale=() device=() graphs=(--cuda-graphs) config=configs/smollm2_h200.yaml
 fi
 
 # 1. the target as an HF directory, prompts it writes itself, its answers at T = 0 and T = 1, shards
@@ -30,7 +31,7 @@ run=(--target "$out/target" --data "$out/data" --max-steps "$steps" "${device[@]
 if [ -f "$out/run/checkpoints/LATEST" ]; then
     flashdraft train --resume "$out/run" "${run[@]}"
 else
-    flashdraft train --config configs/smollm2_h200.yaml --out "$out/run" "${run[@]}"
+    flashdraft train --config "$config" --out "$out/run" "${run[@]}"
 fi
 last=$out/run/checkpoints/$(cat "$out/run/checkpoints/LATEST")
 step=${last##*_}
