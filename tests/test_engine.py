@@ -107,20 +107,12 @@ def _servers_serving(path) -> list[str]:
 @pytest.fixture
 def served_files(tiny_tokenizer, tmp_path):
     """A tiny Llama target as a GGUF llama.cpp loads, a drafter for it exported as GGUF, two prompts."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
     from flashdraft.model.drafter import DFlashDrafter, drafter_config
     from flashdraft.train.build import init_drafter_
-    from test_gguf import write_gguf
+    from test_gguf import tiny_llama, write_gguf
 
     tok = tiny_tokenizer
-    config = AutoConfig.for_model(
-        "llama", vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=6,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False,
-        eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config).eval()
+    model = tiny_llama(tok)
     write_gguf(model, tok, tmp_path / "target.gguf")
     mask_id = tok.convert_tokens_to_ids("<|mask|>")
     drafter = DFlashDrafter(drafter_config(model.config, 1, None, 2, BLOCK, mask_id))

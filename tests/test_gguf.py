@@ -66,10 +66,8 @@ def write_gguf(model, tokenizer, path) -> None:
     w.close()
 
 
-@pytest.fixture(scope="module")
-def gguf_target(tiny_tokenizer, tmp_path_factory):
-    """(the source model, the .gguf file written from it with the tests' tokenizer)."""
-    tok = tiny_tokenizer
+def tiny_llama(tok):
+    """A random tiny Llama (6 layers, width 32) over the tests' tokenizer, seeded."""
     config = AutoConfig.for_model(
         "llama", vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=6,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False,
@@ -77,6 +75,14 @@ def gguf_target(tiny_tokenizer, tmp_path_factory):
     )  # fmt: skip
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config).eval()
+    return model
+
+
+@pytest.fixture(scope="module")
+def gguf_target(tiny_tokenizer, tmp_path_factory):
+    """(the source model, the .gguf file written from it with the tests' tokenizer)."""
+    tok = tiny_tokenizer
+    model = tiny_llama(tok)
     with torch.no_grad():
         model.lm_head.weight.normal_(0.0, 0.5)
     path = tmp_path_factory.mktemp("gguf") / "tiny-llama.gguf"
