@@ -286,12 +286,14 @@ def run_proof(
     ablations: bool = False,
     reference: bool = True,
     resume: bool = False,
+    stop_after_prepare: bool = False,
 ) -> dict:
     """Every stage in order; OUT/proof.json is rewritten after each. The main flow (target, data, main
     drafter, evals, reference package) and the ablations, when asked for, fit the time budget; they
     train at the same time as the main drafter, for as many steps (asked for only in a resumed run,
     they train after it, on top of the budget). resume=True keeps the stages an earlier (killed)
-    run of the same OUT finished and does the rest."""
+    run of the same OUT finished and does the rest. stop_after_prepare: end once OUT/target, OUT/data
+    and OUT/eval/prompts.jsonl are written, for a drafter trained by `flashdraft train` (run.sh)."""
     from flashdraft.eval.report import compare_methods, write_report
     from flashdraft.eval.spec import encode_prompt, eval_tau, mean_tau, read_prompts
     from flashdraft.export.formats import export_checkpoint
@@ -331,6 +333,11 @@ def run_proof(
             data_dir=str(prep.data_dir),
             **prep.summary,
         )
+    if stop_after_prepare:
+        console.print(
+            f"prepared: target {summary['target_dir']}, data {summary['data_dir']}, prompts {prompts_path}"
+        )
+        return summary
     target_dir = Path(summary["target_dir"])
     prompts = read_prompts(prompts_path)
 

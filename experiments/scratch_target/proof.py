@@ -48,6 +48,11 @@ def main() -> None:
     )
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU: check the flow only")
     ap.add_argument(
+        "--stop-after-prepare",
+        action="store_true",
+        help="end once the target, the data and the eval prompts are written (run.sh trains the drafter)",
+    )
+    ap.add_argument(
         "--cuda-graphs",
         action=argparse.BooleanOptionalAction,
         help="evals on fixed-shape caches replayed as CUDA graphs (default: the scale's, on for the H200)",
@@ -90,7 +95,8 @@ def main() -> None:
         scale = with_drafter_overrides(scale, args.drafter, args.step_ms)
     except ValueError as e:
         ap.error(str(e))
-    run_proof(args.out, args.minutes, scale, args.ablations, not args.no_reference, args.resume)
+    reference, prepare_only = not args.no_reference, args.stop_after_prepare
+    run_proof(args.out, args.minutes, scale, args.ablations, reference, args.resume, prepare_only)
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ python -m experiments.smollm2.proof --out "$out" "${scale[@]}" --prompts "$promp
 run=(--target "$out/target" --data "$out/data" --max-steps "$steps" "${device[@]}")
 [ -n "${MINUTES:-}" ] && run+=(--max-minutes "$MINUTES")
 if [ -f "$out/run/checkpoints/LATEST" ]; then
-    flashdraft train --resume "$out/run" "${run[@]}"
+    flashdraft train --config "$config" --resume "$out/run" "${run[@]}"
 else
     flashdraft train --config "$config" --out "$out/run" "${run[@]}"
 fi
