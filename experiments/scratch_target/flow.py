@@ -35,7 +35,7 @@ from rich.table import Table
 
 from flashdraft.config import set_dotted
 from flashdraft.demo.pipeline import Scale, StageClock, prepare
-from flashdraft.eval.reference import reference_tau
+from flashdraft.eval.reference import reference_beside_ours
 
 # The drafter both H200 proofs train (3 layers, 5 taps, 8 rows of 2,048 tokens, 256 anchors a row)
 H200_DRAFTER = {
@@ -296,7 +296,6 @@ def run_proof(
     and OUT/eval/prompts.jsonl are written, for a drafter trained by `flashdraft train` (run.sh)."""
     from flashdraft.eval.report import compare_methods, write_report
     from flashdraft.eval.spec import encode_prompt, eval_tau, mean_tau, read_prompts
-    from flashdraft.export.formats import export_checkpoint
     from flashdraft.model.checkpoint import load_drafter
     from flashdraft.model.target import load_target
 
@@ -398,12 +397,15 @@ def run_proof(
     if "tau_T0_probe_prompts" not in summary:
         save(probe_prompts=probe, tau_T0_probe_prompts=mean_tau(ours[:probe]))
     if reference and "reference" not in summary:
-        export_dir = out / "export" / "zlab"
-        if not export_dir.exists():  # the export is atomic: a directory there is complete
-            export_checkpoint(Path(main["checkpoint"]), "zlab", export_dir)
-        ref = reference_tau(export_dir, target_dir, prompt_ids[:probe], scale.response_tokens, scale.device)
-        same = [abs(a - b) < 1e-6 for a, b in zip(ref["tau_per_sample"], ours[:probe], strict=True)]
-        ref["samples_with_our_tau"] = sum(same)
+        ref = reference_beside_ours(
+            Path(main["checkpoint"]),
+            target_dir,
+            prompt_ids[:probe],
+            ours[:probe],
+            scale.response_tokens,
+            scale.device,
+            out / "export" / "zlab",
+        )
         clock.lap("reference_s")
         save(reference=ref)
     evaluate(1.0)
