@@ -19,6 +19,16 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from flashdraft.distributed.layout import Layout, TargetParallel
 
+# DrafterSpec's fields that only a DFlash2 drafter has
+DFLASH2_FIELDS = (
+    "conv_kernel_size",
+    "conv_group_size",
+    "selector_rank",
+    "selector_top_k",
+    "output_multiplier",
+    "final_logit_softcapping",
+)
+
 FLOAT32_MAX = 3.4028234663852886e38  # the optimizer's state and the weights are float32
 
 
@@ -61,6 +71,37 @@ class DrafterSpec(_Strict):
     sliding_window: int | None = Field(
         None, ge=2, description="keys a sliding_attention layer's query sees (itself included)"
     )
+    architecture: Literal["dflash", "dflash2"] = Field(
+        "dflash",
+        description="dflash, or dflash2: a convolution along the block around each sublayer, a candidate "
+        "selector that drafts a coherent path, and a multiplier and cap on the logits (docs/dflash.md)",
+    )
+    conv_kernel_size: int = Field(2, ge=1, description="dflash2: positions each convolution reads")
+    conv_group_size: int = Field(
+        64, ge=1, description="dflash2: channels sharing one dynamic kernel; divides the target's width"
+    )
+    selector_rank: int = Field(256, ge=1, description="dflash2: rank of the selector's pairwise scores")
+    selector_top_k: int = Field(16, ge=1, description="dflash2: candidates per draft position")
+    output_multiplier: float = Field(1.0, gt=0, description="dflash2: scale of the lm_head logits")
+    final_logit_softcapping: float | None = Field(
+        None, ge=0, description="dflash2: cap c of the logits, c * tanh(logits / c); unset or 0: none"
+    )
+
+    @model_validator(mode="after")
+    def _dflash2(self) -> DrafterSpec:
+        if self.architecture == "dflash":
+            changed = [k for k in DFLASH2_FIELDS if getattr(self, k) != DrafterSpec.model_fields[k].default]
+            if changed:
+                raise ValueError(
+                    f"drafter.{changed[0]} is a DFlash2 setting: set drafter.architecture to dflash2 (or "
+                    "leave it at its default)"
+                )
+        elif "sliding_attention" in (self.layer_types or []):
+            raise ValueError(
+                "drafter.layer_types: a dflash2 drafter has no sliding_attention layers yet (its config's "
+                "is_causal false makes the reference's windows two-sided, ours are causal)"
+            )
+        return self
 
     @model_validator(mode="after")
     def _layers(self) -> DrafterSpec:

@@ -12,6 +12,10 @@ lm_head; both come from the verifier at load time).
 
 Both are written under a temporary name and renamed when complete. `gguf` (llama.cpp's DFlash drafter
 file) is written by flashdraft.export.gguf_drafter from the same validated checkpoint.
+
+A DFlash2 drafter (`architectures: ["DFlash2DraftModel"]`, docs/dflash.md) adds its settings to
+`dflash_config`, `is_causal: false`, and its tensors under the reference package's names (the codebooks
+without a `.weight`); speculators 0.9.0 has no DFlash2 layout, so that export refuses one.
 """
 
 from __future__ import annotations
@@ -26,8 +30,9 @@ import transformers
 from transformers import Qwen3Config
 
 from flashdraft.export.gguf_drafter import write_gguf_drafter
-from flashdraft.model.checkpoint import read_config, read_weights, write_weights_and_config
-from flashdraft.model.drafter import LAST_LAYER
+from flashdraft.model.checkpoint import ARCHITECTURES, read_config, read_weights, write_weights_and_config
+from flashdraft.model.dflash2 import DFlash2Settings
+from flashdraft.model.drafter import DFLASH2_SLIDING, LAST_LAYER
 
 CONFIG = "config.json"
 WEIGHTS = "model.safetensors"
@@ -56,6 +61,7 @@ _NOT_TRANSFORMER = (
     "rope_scaling",
     "flashdraft_target",
 )
+_ARCHITECTURES = [[name] for name in ARCHITECTURES.values()]
 
 
 def _int_list(value) -> bool:
@@ -69,8 +75,8 @@ def config_problems(cfg: dict) -> list[str]:
         for k in (*QWEN3_FIELDS, "num_target_layers")
         if not isinstance(cfg.get(k), int | float)
     ]
-    if cfg.get("architectures") != ["DFlashDraftModel"]:
-        problems.append(f'architectures must be ["DFlashDraftModel"], got {cfg.get("architectures")}')
+    if cfg.get("architectures") not in _ARCHITECTURES:
+        problems.append(f"architectures must be one of {_ARCHITECTURES}, got {cfg.get('architectures')}")
     if cfg.get("model_type") != "qwen3":
         problems.append(f'model_type must be "qwen3", got {cfg.get("model_type")!r}')
     if cfg.get("tie_word_embeddings", False):
@@ -82,7 +88,26 @@ def config_problems(cfg: dict) -> list[str]:
         problems.append(
             f"layer_types has {len(layer_types)} entries for {cfg.get('num_hidden_layers')} layers"
         )
-    return problems + _dflash_problems(cfg)
+    return problems + _dflash_problems(cfg) + _dflash2_problems(cfg)
+
+
+def is_dflash2(cfg: dict) -> bool:
+    return cfg.get("architectures") == [ARCHITECTURES["dflash2"]]
+
+
+def _dflash2_problems(cfg: dict) -> list[str]:
+    if not is_dflash2(cfg) or not isinstance(cfg.get("dflash_config"), dict):
+        return []
+    missing = DFlash2Settings.missing(cfg["dflash_config"])
+    if missing:
+        return [f"dflash_config of a DFlash2 drafter lacks {missing}"]
+    settings = DFlash2Settings.from_dflash_config(cfg["dflash_config"])
+    problems = settings.problems(cfg.get("hidden_size", 0), cfg.get("vocab_size", 0), prefix="dflash_config.")
+    if cfg.get("is_causal"):
+        problems.append("is_causal true: a DFlash2 drafter here attends within its block both ways")
+    if "sliding_attention" in (cfg.get("layer_types") or []):
+        problems.append(DFLASH2_SLIDING)
+    return problems
 
 
 def _dflash_problems(cfg: dict) -> list[str]:
@@ -145,6 +170,17 @@ def expected_weights(cfg: dict) -> dict[str, tuple[int, ...]]:
     }
     if cfg.get("attention_bias", False):
         per_layer |= {f"self_attn.{p}_proj.bias": (n,) for p, n in (("q", q), ("k", kv), ("v", kv), ("o", d))}
+    if is_dflash2(cfg):
+        dflash = cfg["dflash_config"]
+        kernel, rank = dflash["conv_kernel_size"], dflash["selector_rank"]
+        for conv in ("attention_conv", "mlp_conv"):
+            per_layer[f"{conv}.base_kernel"] = (2, kernel, d)
+            per_layer[f"{conv}.kernel_projection.weight"] = (2 * kernel * d // dflash["conv_group_size"], d)
+        shapes |= {
+            "candidate_selector.predecessor_codebook": (cfg["vocab_size"], rank),
+            "candidate_selector.successor_codebook": (cfg["vocab_size"], rank),
+            "candidate_selector.hidden_projection.weight": (rank, d),
+        }
     for i in range(cfg["num_hidden_layers"]):
         shapes |= {f"layers.{i}.{name}": shape for name, shape in per_layer.items()}
     return shapes
@@ -261,6 +297,11 @@ def export_checkpoint(
         out_cfg = {**cfg, "torch_dtype": "bfloat16", "eagle_aux_hidden_state_layer_ids": [i + 1 for i in ids]}
         out_cfg.pop("dtype", None)
     else:
+        if is_dflash2(cfg):
+            raise ValueError(
+                f"speculators {SPECULATORS_VERSION} has no DFlash2 layout: export DFlash2 drafters as zlab "
+                "(SGLang, vLLM and the reference package load it) or gguf"
+            )
         if not verifier:
             raise ValueError("the speculators layout names its verifier: give the target's hub id or path")
         out_cfg = speculators_config(cfg, verifier, verifier_architectures(verifier))

@@ -14,9 +14,15 @@ converter (`conversion/qwen.py`, `DFlashModel`) and its loader (`src/models/dfla
   from the target's HF tokenizer);
 - weights as the converter writes a bf16 checkpoint: matrices in bf16, norms in f32; no embedding and no
   lm_head (llama.cpp takes the target's).
+- DFlash2 (both files name the architecture "dflash"; llama.cpp tells them apart by `selector_hidden.weight`):
+  `dflash.{conv_kernel_size,conv_group_size,selector_rank,selector_top_k}`, the output multiplier as
+  `dflash.logit_scale` and a cap as `dflash.final_logit_softcapping`; the convolutions as
+  `blk.N.{attn,ffn}_conv_base` (f32: a name without `.weight`) and `blk.N.{attn,ffn}_conv_proj.weight`,
+  the selector as `selector_{predecessor,successor,hidden}.weight`.
 
 What llama.cpp has no field for (attention biases, an activation other than SiLU, RoPE scaling other
-than linear and YaRN) is refused, as is a target GGUF that does not match the drafter.
+than linear and YaRN, a DFlash2 selector whose top-k lattice does not fit a hidden row) is refused, as
+is a target GGUF that does not match the drafter.
 """
 
 from __future__ import annotations
@@ -36,6 +42,9 @@ _GLOBAL_TENSORS = {
     "fc.weight": "fc.weight",
     "hidden_norm.weight": "enc.output_norm.weight",
     "norm.weight": "output_norm.weight",
+    "candidate_selector.predecessor_codebook": "selector_predecessor.weight",
+    "candidate_selector.successor_codebook": "selector_successor.weight",
+    "candidate_selector.hidden_projection.weight": "selector_hidden.weight",
 }
 _LAYER_TENSORS = {
     "input_layernorm.weight": "attn_norm.weight",
@@ -49,7 +58,13 @@ _LAYER_TENSORS = {
     "mlp.gate_proj.weight": "ffn_gate.weight",
     "mlp.up_proj.weight": "ffn_up.weight",
     "mlp.down_proj.weight": "ffn_down.weight",
+    "attention_conv.base_kernel": "attn_conv_base",
+    "attention_conv.kernel_projection.weight": "attn_conv_proj.weight",
+    "mlp_conv.base_kernel": "ffn_conv_base",
+    "mlp_conv.kernel_projection.weight": "ffn_conv_proj.weight",
 }
+# the dflash_config keys of a DFlash2 drafter that the converter writes as uint32 `dflash.*` keys
+_DFLASH2_SIZES = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
 _SERVED_ROPE = ("default", "linear", "yarn")
 
 
@@ -78,6 +93,12 @@ def serving_problems(cfg: dict) -> list[str]:
     if rope_type not in _SERVED_ROPE:
         problems.append(
             f"rope_type {rope_type!r}: the converter writes RoPE scaling only for {list(_SERVED_ROPE)}"
+        )
+    top_k = cfg["dflash_config"].get("selector_top_k")
+    if top_k is not None and cfg["hidden_size"] < top_k * (top_k + 1):
+        problems.append(
+            f"selector_top_k {top_k}: llama.cpp packs each position's top-k and k x k pairwise scores into a "
+            f"hidden row, which needs hidden_size >= {top_k * (top_k + 1)} (it is {cfg['hidden_size']})"
         )
     return problems
 
@@ -160,6 +181,8 @@ def _add_shape(writer: gguf.GGUFWriter, cfg: dict) -> None:
     writer.add_feed_forward_length(cfg["intermediate_size"])
     writer.add_head_count(cfg["num_attention_heads"])
     writer.add_head_count_kv(cfg["num_key_value_heads"])
+    if cfg.get("is_causal") is False:  # where `TextModel.set_gguf_parameters` writes it (DFlashModel again)
+        writer.add_causal_attention(False)
     _add_rope(writer, _rope(cfg))
     writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     writer.add_key_length(cfg["head_dim"])
@@ -171,6 +194,13 @@ def _add_dflash(writer: gguf.GGUFWriter, cfg: dict, target: TargetGGUF) -> None:
     """The DFlash keys of `DFlashModel.set_gguf_parameters`, in its order."""
     dflash = cfg["dflash_config"]
     writer.add_uint32(f"{ARCH}.block_size", dflash.get("block_size", cfg.get("block_size", 16)))
+    if "conv_kernel_size" in dflash:
+        for key in _DFLASH2_SIZES:
+            writer.add_uint32(f"{ARCH}.{key}", int(dflash[key]))
+    if dflash.get("output_multiplier") is not None:
+        writer.add_logit_scale(float(dflash["output_multiplier"]))
+    if float(dflash.get("final_logit_softcapping") or 0) > 0:
+        writer.add_final_logit_softcapping(float(dflash["final_logit_softcapping"]))
     if target.arch.startswith("gemma"):  # the draft shares Gemma's embeddings, scaled by sqrt(hidden)
         writer.add_embedding_scale(target.hidden_size**0.5)
     writer.add_array(f"{ARCH}.target_layers", [i + 1 for i in dflash["target_layer_ids"]])
@@ -186,21 +216,22 @@ def _add_dflash(writer: gguf.GGUFWriter, cfg: dict, target: TargetGGUF) -> None:
         writer.add_sliding_window(window)
         writer.add_sliding_window_pattern(pattern)
     causal = cfg.get("is_causal", dflash.get("causal"))
-    if causal is not None:
+    if causal is not None and cfg.get("is_causal") is not False:  # else written with the shape
         writer.add_causal_attention(bool(causal))
     if target.mrope:  # the draft ropes on the temporal dimension only
         writer.add_rope_dimension_sections([cfg["head_dim"] // 2, 0, 0, 0])
 
 
 def _add_tensors(writer: gguf.GGUFWriter, weights: dict[str, torch.Tensor]) -> None:
-    """In the converter's order (the safetensors file's, sorted by name) and types (1-D in f32)."""
+    """In the converter's order (the safetensors file's, sorted by name) and types (f32 for 1-D tensors and
+    names without `.weight`, bf16 for the rest)."""
     for name in sorted(weights):
-        tensor = weights[name].detach().cpu()
-        if tensor.ndim == 1:
-            writer.add_tensor(gguf_tensor_name(name), tensor.float().numpy())
+        tensor, gguf_name = weights[name].detach().cpu(), gguf_tensor_name(name)
+        if tensor.ndim == 1 or not gguf_name.endswith(".weight"):
+            writer.add_tensor(gguf_name, tensor.float().numpy())
         else:
             bits = tensor.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
-            writer.add_tensor(gguf_tensor_name(name), bits, raw_dtype=gguf.GGMLQuantizationType.BF16)
+            writer.add_tensor(gguf_name, bits, raw_dtype=gguf.GGMLQuantizationType.BF16)
 
 
 def write_gguf_drafter(

@@ -20,6 +20,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import Qwen3Config
 
+from flashdraft.model.dflash2 import DFlash2Settings
 from flashdraft.model.drafter import DFlashDrafter
 
 WEIGHTS = "model.safetensors"
@@ -30,11 +31,11 @@ LATEST = "LATEST"
 def zlab_config(drafter: DFlashDrafter) -> dict:
     cfg = drafter.config
     out = cfg.to_dict()
-    for key in ("target_layer_ids", "mask_token_id", "block_size", "num_target_layers", *_DERIVED):
+    for key in ("target_layer_ids", "mask_token_id", "block_size", "num_target_layers", "dflash2", *_DERIVED):
         out.pop(key, None)
     ids = [int(i) for i in cfg.target_layer_ids]
     out.update(
-        architectures=["DFlashDraftModel"],
+        architectures=[ARCHITECTURES[drafter.architecture]],
         model_type="qwen3",
         tie_word_embeddings=False,
         torch_dtype="bfloat16",
@@ -55,11 +56,16 @@ def zlab_config(drafter: DFlashDrafter) -> dict:
     sliding = "sliding_attention" in out["layer_types"]  # what Qwen3Config keeps a window for
     out.update(use_sliding_window=sliding, sliding_window=cfg.sliding_window if sliding else None)
     out.pop("dtype", None)
+    if drafter.dflash2 is not None:  # DFlash2 configs say so (docs/dflash.md): the block attends both ways
+        out.update(is_causal=False)
+        out["dflash_config"].update(drafter.dflash2.as_dict())
     return out
 
 
+# config.json `architectures` of each drafter architecture, as the reference package names its classes
+ARCHITECTURES = {"dflash": "DFlashDraftModel", "dflash2": "DFlash2DraftModel"}
 # config.json fields written from others (and rebuilt from them when a checkpoint is loaded)
-_DERIVED = ("eagle_aux_hidden_state_layer_ids", "rope_scaling")
+_DERIVED = ("eagle_aux_hidden_state_layer_ids", "rope_scaling", "is_causal")
 
 
 def _fsync_dir(path: Path) -> None:
@@ -172,7 +178,9 @@ def load_drafter(
     ckpt_dir = Path(ckpt_dir)
     raw = read_config(ckpt_dir)
     dflash = raw.get("dflash_config") or {}
+    dflash2 = raw.get("architectures") == [ARCHITECTURES["dflash2"]]
     missing = [k for k in ("mask_token_id", "target_layer_ids") if k not in dflash]
+    missing += DFlash2Settings.missing(dflash) if dflash2 else []
     if missing:
         raise ValueError(f"{ckpt_dir / CONFIG}: dflash_config lacks {missing}")
     skip = ("dflash_config", "architectures", "torch_dtype", *_DERIVED)
@@ -186,6 +194,8 @@ def load_drafter(
     cfg.mask_token_id = int(dflash["mask_token_id"])
     cfg.block_size = int(dflash.get("block_size", raw.get("block_size", 16)))
     cfg.num_target_layers = int(raw["num_target_layers"])
+    if dflash2:
+        cfg.dflash2 = DFlash2Settings.from_dflash_config(dflash).as_dict()
     return drafter_from_state(cfg, read_weights(ckpt_dir / WEIGHTS), device, dtype)
 
 

@@ -7,7 +7,9 @@ projected by the SAME k_proj/v_proj, with k_norm and RoPE at absolute positions 
 
 The module holds exactly the weights of the z-lab checkpoint layout (layers.*, fc, hidden_norm,
 norm): the target's embedding and lm_head are used by the caller and never owned here. It never
-imports torch.distributed; parallelism and compilation are applied from outside.
+imports torch.distributed; parallelism and compilation are applied from outside. A config with
+`dflash2` settings makes it a DFlash2 drafter (model/dflash2.py): a convolution around each sublayer,
+a candidate selector, and the logits' multiplier and cap.
 """
 
 from __future__ import annotations
@@ -25,6 +27,14 @@ from transformers.models.qwen3.modeling_qwen3 import (
     Qwen3RMSNorm,
     Qwen3RotaryEmbedding,
     rotate_half,
+)
+
+from flashdraft.model.dflash2 import (
+    CandidateSelector,
+    DFlash2Settings,
+    GroupedDynamicCausalConv,
+    SelectorPath,
+    scale_and_cap,
 )
 
 # A tap id that means the target's token embeddings, not a layer's output: a drafter tapping only
@@ -136,18 +146,33 @@ class DFlashAttention(nn.Module):
 
 
 class DFlashLayer(nn.Module):
-    """Pre-norm Qwen3 block whose attention also reads the context's keys and values."""
+    """Pre-norm Qwen3 block whose attention also reads the context's keys and values; in DFlash2, each
+    sublayer between the two halves of a causal convolution along the block."""
 
-    def __init__(self, config: Qwen3Config):
+    def __init__(self, config: Qwen3Config, dflash2: DFlash2Settings | None = None):
         super().__init__()
         self.self_attn = DFlashAttention(config)
         self.mlp = Qwen3MLP(config)
         self.input_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.attention_conv = self.mlp_conv = None
+        if dflash2 is not None:
+            shape = (config.hidden_size, dflash2.conv_kernel_size, dflash2.conv_group_size, config.block_size)
+            self.attention_conv = GroupedDynamicCausalConv(*shape)
+            self.mlp_conv = GroupedDynamicCausalConv(*shape)
 
     def forward(self, x, block_rope, ctx_kv, visibility: Visibility) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), block_rope, ctx_kv, visibility)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        h = self.input_layernorm(x)
+        x = x + _convolved(self.attention_conv, self.self_attn, h, block_rope, ctx_kv, visibility)
+        return x + _convolved(self.mlp_conv, self.mlp, self.post_attention_layernorm(x))
+
+
+def _convolved(conv: GroupedDynamicCausalConv | None, sublayer: nn.Module, h: torch.Tensor, *args):
+    """sublayer(h, *args), between `conv`'s prepare and finish when the layer has one (DFlash2)."""
+    if conv is None:
+        return sublayer(h, *args)
+    h, finish_kernel = conv.prepare(h)
+    return conv.finish(sublayer(h, *args), finish_kernel)
 
 
 def _count(n: int) -> str:
@@ -161,7 +186,8 @@ class DFlashDrafter(nn.Module):
     """DFlash drafter (docs/dflash.md, the drafter).
 
     config: a Qwen3Config of the drafter with the DFlash fields `target_layer_ids`,
-    `num_target_layers`, `block_size` and `mask_token_id` set as attributes.
+    `num_target_layers`, `block_size` and `mask_token_id` set as attributes, and for DFlash2 `dflash2`
+    (DFlash2Settings as a dict).
     """
 
     def __init__(self, config: Qwen3Config):
@@ -170,20 +196,34 @@ class DFlashDrafter(nn.Module):
         self.target_layer_ids = list(config.target_layer_ids)
         self.block_size = int(config.block_size)
         self.mask_token_id = int(config.mask_token_id)
-        self.layers = nn.ModuleList(DFlashLayer(config) for _ in range(config.num_hidden_layers))
-        self.layer_types = list(getattr(config, "layer_types", None) or ["full_attention"] * len(self.layers))
+        self.dflash2 = DFlash2Settings.of(config)
+        n = config.num_hidden_layers
+        self.layer_types = list(getattr(config, "layer_types", None) or ["full_attention"] * n)
         self.sliding_window = config.sliding_window if "sliding_attention" in self.layer_types else None
+        if self.dflash2 is not None:
+            check_dflash2(self.dflash2, config.hidden_size, config.vocab_size, self.sliding_window)
+        self.layers = nn.ModuleList(DFlashLayer(config, self.dflash2) for _ in range(n))
         self.norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.fc = nn.Linear(len(self.target_layer_ids) * config.hidden_size, config.hidden_size, bias=False)
         self.hidden_norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = Qwen3RotaryEmbedding(config)
+        if self.dflash2 is not None:
+            d2 = self.dflash2
+            self.candidate_selector = CandidateSelector(
+                config.vocab_size, config.hidden_size, d2.selector_rank, d2.selector_top_k
+            )
+
+    @property
+    def architecture(self) -> str:
+        return "dflash" if self.dflash2 is None else "dflash2"
 
     def describe(self) -> str:
         """The start-up line: the drafter's shape, taps and size."""
         c = self.config
         params = sum(p.numel() for p in self.parameters())
         return (
-            f"drafter: {c.num_hidden_layers} layers of width {c.hidden_size}, {c.num_attention_heads} heads "
+            f"drafter ({self.architecture}): {c.num_hidden_layers} layers of width {c.hidden_size}, "
+            f"{c.num_attention_heads} heads "
             f"/ {c.num_key_value_heads} key/value heads of {c.head_dim}, MLP {c.intermediate_size}, taps "
             f"{self.target_layer_ids} of {c.num_target_layers}: {_count(params)} parameters"
         )
@@ -236,6 +276,41 @@ class DFlashDrafter(nn.Module):
             x = layer(x, rope, kv, visibility[kind] if isinstance(visibility, dict) else visibility)
         return self.norm(x)
 
+    @property
+    def logit_scale_and_cap(self) -> tuple[float, float | None]:
+        """(multiplier, softcap) of the lm_head logits: DFlash2's settings; (1, None) for DFlash."""
+        if self.dflash2 is None:
+            return 1.0, None
+        return self.dflash2.output_multiplier, self.dflash2.final_logit_softcapping
+
+    def logits(self, hidden: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
+        """The drafts' logits: the target's lm_head on `hidden` (cast to its dtype), then the multiplier and
+        cap (`logit_scale_and_cap`)."""
+        return scale_and_cap(lm_head(hidden.to(lm_head.weight.dtype)), *self.logit_scale_and_cap)
+
+    def propose(
+        self,
+        hidden: torch.Tensor,
+        anchor_ids: torch.Tensor,
+        lm_head: nn.Module,
+        temperature: float,
+        generator: torch.Generator | None = None,
+    ) -> SelectorPath:
+        """DFlash2's drafts for one block: `hidden` [b, P, D] of its draft positions (slots 1.., the
+        anchor's row left out), `anchor_ids` [b] its slot-0 tokens; see CandidateSelector.select."""
+        if self.dflash2 is None:
+            raise ValueError("a DFlash drafter has no candidate selector: its drafts are the logits' argmax")
+        logits = self.logits(hidden, lm_head)
+        return self.candidate_selector.select(hidden, logits, anchor_ids, temperature, generator)
+
+    def reset_dflash2_to_dflash_(self) -> None:
+        """DFlash2's modules set so that the drafter drafts as its DFlash part alone at T = 0: identity
+        convolutions and pairwise scores of 0 (the codebooks keep their values: see reset_to_unary_)."""
+        for layer in self.layers:
+            layer.attention_conv.reset_to_identity_()
+            layer.mlp_conv.reset_to_identity_()
+        self.candidate_selector.reset_to_unary_()
+
 
 def drafter_config(
     target_config,
@@ -251,6 +326,7 @@ def drafter_config(
     rope_theta: float | None = None,
     layer_types: list[str] | None = None,
     sliding_window: int | None = None,
+    dflash2: DFlash2Settings | None = None,
 ) -> Qwen3Config:
     """The drafter's Qwen3Config. Its width is the target's (it reuses the target's embedding and lm_head
     and reads its hidden states); heads, head size, MLP width and RoPE default to the target's text config
@@ -290,7 +366,25 @@ def drafter_config(
     cfg.num_target_layers = n_target
     cfg.block_size = block_size
     cfg.mask_token_id = mask_token_id
+    if dflash2 is not None:
+        check_dflash2(dflash2, cfg.hidden_size, cfg.vocab_size, sliding_window)
+        cfg.dflash2 = dflash2.as_dict()
     return cfg
+
+
+def check_dflash2(settings: DFlash2Settings, hidden_size: int, vocab_size: int, sliding_window) -> None:
+    """DFlash2 settings that fit the drafter (ValueError naming the `drafter.*` fields otherwise)."""
+    problems = settings.problems(hidden_size, vocab_size, prefix="drafter.")
+    if sliding_window is not None:
+        problems.append(DFLASH2_SLIDING)
+    if problems:
+        raise ValueError("; ".join(problems))
+
+
+DFLASH2_SLIDING = (
+    "DFlash2 drafters with sliding_attention layers are not supported: a DFlash2 config says is_causal "
+    "false, which makes the reference's sliding windows two-sided, where ours are causal"
+)
 
 
 def check_target_layer_ids(ids: list[int], num_target_layers: int) -> None:

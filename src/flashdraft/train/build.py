@@ -6,6 +6,7 @@ token dataset by default, random weights of a named shape for the bench).
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import shutil
 from collections.abc import Callable
@@ -20,7 +21,8 @@ from flashdraft.config import RunConfig, RunSpec, TrainConfig, run_config
 from flashdraft.data.packing import MicroBatchStream, PackedLoader, load_token_dataset
 from flashdraft.distributed.topology import Topology, init_topology
 from flashdraft.model.checkpoint import latest_checkpoint, load_drafter
-from flashdraft.model.drafter import DFlashDrafter, default_target_layer_ids, drafter_config
+from flashdraft.model.dflash2 import DFlash2Settings
+from flashdraft.model.drafter import DFlashDrafter, check_dflash2, default_target_layer_ids, drafter_config
 from flashdraft.model.target import (
     Target,
     choose_packing,
@@ -120,6 +122,9 @@ def build(config: RunConfig, source: RunSource | None = None) -> Trainer:
     whole = source.target_config
     if cfg.init_from:  # checked against the target's config before the target loads
         cfg = with_init_from(cfg, whole)
+    if cfg.drafter.architecture == "dflash2":
+        text = whole.get_text_config()
+        check_dflash2(dflash2_of(cfg), text.hidden_size, text.vocab_size, cfg.drafter.sliding_window)
     model, tokenizer = load_target_layers(cfg, source, topo, layers_to_load(cfg, topo, tap_ids(cfg, whole)))
     drafter, target = drafter_and_target(cfg, model, tokenizer, topo, whole)
     if cfg.target_fp8:  # after the packing probe, which differentiates through the target
@@ -272,6 +277,9 @@ def with_init_from(cfg: TrainConfig, target_config) -> TrainConfig:
         "layer_types": list(raw.get("layer_types") or ["full_attention"] * raw["num_hidden_layers"]),
         "sliding_window": raw.get("sliding_window") if raw.get("use_sliding_window") else None,
     }
+    if raw["architectures"] == ["DFlash2DraftModel"]:  # a DFlash source may become a DFlash2 drafter
+        settings = DFlash2Settings.from_dflash_config(raw["dflash_config"])
+        shape |= {"architecture": "dflash2", **settings.as_dict()}
     given = cfg.drafter.model_fields_set
     conflicts = [
         f"drafter.{k}: {getattr(cfg.drafter, k)} here, {v} in {source}"
@@ -297,6 +305,8 @@ def drafter_and_target(
     whole = target_config or model.config
     if cfg.init_from:
         drafter = load_drafter(cfg.init_from, topo.device)
+        if cfg.drafter.architecture == "dflash2" and drafter.dflash2 is None:
+            drafter = dflash2_from_dflash(drafter, dflash2_of(cfg), _init_std(model), cfg.seed)
     else:
         drafter = build_drafter(cfg, model, tokenizer, topo.device, whole)
     asked = cfg.data.one_document_per_row
@@ -334,11 +344,35 @@ def build_drafter(cfg: TrainConfig, model, tokenizer, device, target_config=None
         rope_theta=spec.rope_theta,
         layer_types=spec.layer_types,
         sliding_window=spec.sliding_window,
+        dflash2=dflash2_of(cfg),
     )
     drafter = DFlashDrafter(dcfg).to(device=device, dtype=torch.float32)
-    std = getattr(model.config.get_text_config(), "initializer_range", None) or 0.02
-    init_drafter_(drafter, std, seed=cfg.seed)
+    init_drafter_(drafter, _init_std(model), seed=cfg.seed)
     return drafter
+
+
+def _init_std(model) -> float:
+    return getattr(model.config.get_text_config(), "initializer_range", None) or 0.02
+
+
+def dflash2_of(cfg: TrainConfig) -> DFlash2Settings | None:
+    """The run's DFlash2 settings (drafter.*); None for a DFlash drafter."""
+    if cfg.drafter.architecture != "dflash2":
+        return None
+    return DFlash2Settings(**{k: getattr(cfg.drafter, k) for k in DFlash2Settings.__dataclass_fields__})
+
+
+def dflash2_from_dflash(
+    drafter: DFlashDrafter, settings: DFlash2Settings, std: float, seed: int
+) -> DFlashDrafter:
+    """A DFlash2 drafter that starts from a DFlash one (--init-from): the DFlash weights copied, the
+    DFlash2 modules as `init_drafter_` leaves them, which drafts exactly as the DFlash drafter at T = 0."""
+    config = copy.deepcopy(drafter.config)
+    config.dflash2 = settings.as_dict()
+    upgraded = DFlashDrafter(config)
+    init_drafter_(upgraded, std, seed)
+    upgraded.load_state_dict(upgraded.state_dict() | drafter.state_dict())  # strict: every DFlash weight
+    return upgraded.to(drafter.fc.weight.device)
 
 
 def resolve_mask_token_id(tokenizer, embedding_rows: int, requested: int | None) -> int:
@@ -361,7 +395,9 @@ def resolve_mask_token_id(tokenizer, embedding_rows: int, requested: int | None)
 
 
 def init_drafter_(drafter: DFlashDrafter, std: float, seed: int) -> None:
-    """Explicit init: normal(0, std) linears, ones for norms; seeded so runs are reproducible."""
+    """Explicit init: normal(0, std) linears, ones for norms; seeded so runs are reproducible. DFlash2's
+    modules then start as the identity and pairwise scores of 0 (`reset_dflash2_to_dflash_`): a DFlash
+    drafter that its own modules change as they learn."""
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in drafter.named_parameters():
@@ -369,6 +405,8 @@ def init_drafter_(drafter: DFlashDrafter, std: float, seed: int) -> None:
                 p.fill_(1.0)
             else:
                 p.copy_(torch.randn(p.shape, generator=g) * std)
+    if drafter.dflash2 is not None:
+        drafter.reset_dflash2_to_dflash_()
 
 
 def total_steps(cfg: TrainConfig, stream, topo: Topology, data: str) -> int:

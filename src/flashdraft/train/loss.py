@@ -22,6 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from flashdraft.model.dflash2 import scale_and_cap
+
 
 @dataclass
 class BlockLoss:
@@ -44,10 +46,13 @@ def _chunk_ce(
     labels: torch.Tensor,
     teacher: torch.Tensor | None = None,
     distill: float = 0.0,
+    scale: float = 1.0,
+    softcap: float | None = None,
 ):
     """Per position: (1 - distill) x CE to the label + distill x KL(target || drafter), and the argmax.
-    teacher: the target's final hidden state before each label (its next-token distribution there)."""
-    logits = (h @ w_head.t()).float()
+    teacher: the target's final hidden state before each label (its next-token distribution there).
+    scale, softcap: the drafter's logits are scale_and_cap(h @ w_head^T) (DFlash2)."""
+    logits = scale_and_cap((h @ w_head.t()).float(), scale, softcap)
     loss = F.cross_entropy(logits, labels, reduction="none")
     if teacher is not None and distill > 0:
         with torch.no_grad():
@@ -88,6 +93,7 @@ def block_loss(
     distill: float = 0.0,
     dpace: float | None = None,
     compiled: bool = False,
+    logit_scale_and_cap: tuple[float, float | None] = (1.0, None),
 ) -> BlockLoss:
     """hidden [b, n*B, D] -> weighted CE over slots 1..B-1 (slot 0, the anchor, has no loss and
     no logits are computed for it).
@@ -99,7 +105,7 @@ def block_loss(
     distill x KL(target || drafter), the target's logits computed at those positions only.
     dpace: the weights' slot decay is replaced by `dpace_weights` with this smoothing alpha (the
     positions with a weight keep one); None: the fixed weights. compiled: each chunk's loss through
-    torch.compile (module docstring).
+    torch.compile (module docstring). logit_scale_and_cap: the drafter's (DFlashDrafter's property).
     """
     b, n, bs = labels.shape
     h = hidden.view(b, n, bs, -1)[:, :, 1:].reshape(b * n * (bs - 1), -1)
@@ -117,9 +123,11 @@ def block_loss(
         hc, yc, wc = h[sl], y[sl], w[sl]
         tc = teacher[sl] if teacher is not None else None
         if recompute and torch.is_grad_enabled() and hc.requires_grad:
-            ce, pred = checkpoint(chunk_ce, hc, lm_head_weight, yc, tc, distill, use_reentrant=False)
+            ce, pred = checkpoint(
+                chunk_ce, hc, lm_head_weight, yc, tc, distill, *logit_scale_and_cap, use_reentrant=False
+            )
         else:
-            ce, pred = chunk_ce(hc, lm_head_weight, yc, tc, distill)
+            ce, pred = chunk_ce(hc, lm_head_weight, yc, tc, distill, *logit_scale_and_cap)
         if dpace is not None:
             losses.append(ce)
         else:

@@ -182,7 +182,8 @@ def micro_step_loss(
         with timer("target_forward"):
             feats = target_features(target, mb.batch)
     with timer("block_mask"):
-        window = getattr(drafter, "module", drafter).sliding_window  # a DDP wrapper holds it as .module
+        core = getattr(drafter, "module", drafter)  # a DDP wrapper holds the drafter as .module
+        window = core.sliding_window
         vis = visibility_for(mb, mb.blocks.labels.shape[-1], kernels.attention, kernels.compiled, window)
     with timer("drafter_forward"):
         with torch.no_grad():  # the block's input: the target's (frozen) token embeddings
@@ -200,4 +201,5 @@ def micro_step_loss(
             distill=kernels.distill,
             dpace=kernels.dpace,
             compiled=kernels.compiled,
+            logit_scale_and_cap=core.logit_scale_and_cap,
         )
