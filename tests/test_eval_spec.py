@@ -296,6 +296,21 @@ def test_the_tau_ratio_interval_comes_from_resampling_prompts():
     assert tau_ratio([float("nan")], [2.0])["samples"] == 0
 
 
+def test_sampled_drafts_are_seeded_and_refused_where_they_cannot_run():
+    """eval_tau and run_methods draft by sampling when asked (each prompt's generator seeds the drafts
+    as well as the verification), and refuse it at T = 0 and on the CUDA-graph path."""
+    s = tiny_setup()
+    sampled = dict(temperature=1.0, draft_sampling="sample")
+    taus = [eval_tau(s.target, None, s.trained, s.prompts[:2], 16, **sampled) for _ in range(2)]
+    assert taus[0] == taus[1] and taus[0] > 1
+    runs = [run_methods(s.target, s.trained, s.prompts[:2], 16, BLOCK, **sampled) for _ in range(2)]
+    assert [g.tokens for g in runs[0]["dflash"]] == [g.tokens for g in runs[1]["dflash"]]
+    with pytest.raises(ValueError, match="CUDA graphs"):
+        run_methods(s.target, s.trained, s.prompts[:1], 16, BLOCK, cuda_graphs=True, **sampled)
+    with pytest.raises(ValueError, match="temperature > 0"):
+        eval_tau(s.target, None, s.trained, s.prompts[:1], 16, draft_sampling="sample")
+
+
 def test_run_methods_measures_all_three_on_every_prompt():
     s = tiny_setup()
     results = run_methods(s.target, s.trained, s.prompts[:2], 20, BLOCK)
@@ -373,7 +388,7 @@ def test_eval_cli_writes_report_plot_and_table(tmp_path, tiny_target_dir, tiny_d
     assert report["speedup"]["dflash"] > 0 and report["speedup"]["ngram"] > 0
     assert report_path.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "tau" in result.output and "speedup" in result.output
-    assert report["settings"]["cuda_graphs"] is False
+    assert report["settings"]["cuda_graphs"] is False and report["settings"]["draft_sampling"] == "argmax"
 
     # the fixed-shape path through the CLI: the same samples (CPU: no graphs captured)
     static_path = tmp_path / "out" / "static.json"
@@ -384,6 +399,21 @@ def test_eval_cli_writes_report_plot_and_table(tmp_path, tiny_target_dir, tiny_d
     assert static["settings"]["cuda_graphs"] is True
     for method in ("autoregressive", "dflash", "ngram"):
         assert static[method]["tau_per_sample"] == report[method]["tau_per_sample"]
+
+
+def test_eval_cli_records_the_drafting_rule_and_refuses_sampled_drafts_with_cuda_graphs(
+    tmp_path, tiny_target_dir, tiny_drafter_dir
+):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": "import os"}) + "\n")
+    report_path = tmp_path / "report.json"
+    args = _eval_args(tiny_target_dir, tiny_drafter_dir, prompts)
+    args += ["--out", str(report_path), "--max-new-tokens", "8", "--device", "cpu", "--temperature", "1"]
+    result = CliRunner().invoke(_cli(), [*args, "--draft-sampling", "sample"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(report_path.read_text())["settings"]["draft_sampling"] == "sample"
+    result = CliRunner().invoke(_cli(), [*args, "--draft-sampling", "sample", "--cuda-graphs"])
+    assert result.exit_code == 2 and "not supported with CUDA graphs" in result.output
 
 
 def test_eval_cli_rejects_a_bad_prompt_record(tmp_path, tiny_target_dir, tiny_drafter_dir):

@@ -12,9 +12,12 @@ import torch
 def reference_tau(
     export_dir: Path, target_dir: Path, prompt_ids: list[list[int]], max_new: int, device
 ) -> dict:
-    """Greedy tau of the exported drafter decoded by the reference `dflash` package (z-lab)."""
+    """Greedy tau of the exported drafter decoded by the reference `dflash` package (z-lab): its DFlash or
+    DFlash2 class, as the export's config.json names it."""
+    import json
+
     import dflash.model
-    from dflash.model import DFlashDraftModel, dflash_generate
+    from dflash.model import DFlash2DraftModel, DFlashDraftModel, dflash_generate
 
     from flashdraft.eval.spec import mean_tau
     from flashdraft.model.target import load_target, stop_token_ids
@@ -22,7 +25,9 @@ def reference_tau(
     if torch.device(device).type == "cpu":  # its stats timer calls torch.cuda.synchronize()
         dflash.model._cuda_time = time.perf_counter
     model, tokenizer = load_target(target_dir, device)
-    ref = DFlashDraftModel.from_pretrained(str(export_dir), dtype=model.dtype).to(device).eval()
+    architectures = json.loads((Path(export_dir) / "config.json").read_text()).get("architectures", [])
+    cls = DFlash2DraftModel if "DFlash2DraftModel" in architectures else DFlashDraftModel
+    ref = cls.from_pretrained(str(export_dir), dtype=model.dtype).to(device).eval()
     stops = stop_token_ids(model, tokenizer)
     taus = []
     for ids in prompt_ids:

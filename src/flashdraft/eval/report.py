@@ -25,6 +25,7 @@ from flashdraft.eval.spec import (
     decoding_target,
     encode_prompt,
     mean_tau,
+    resolve_draft_sampling,
     run_methods,
 )
 from flashdraft.model.target import default_device, stop_token_ids
@@ -261,12 +262,13 @@ def compare_methods(
     cuda_graphs: bool = False,
     attention: str = "auto",
     methods: Sequence[str] = METHODS,
+    draft_sampling: str = "auto",
 ) -> dict:
     """Load the target (HF directory or hub id) and the drafter checkpoint, decode every conversation with
     plain decoding, DFlash and prompt lookup, and return the report (`build_report`). cuda_graphs: see
     `run_methods`; attention: the target's (`flashdraft.model.target.load_target`). `methods`: fewer of
     them give a report of their statistics alone (no speedup or ratio), e.g. one method's tau where the
-    others were measured elsewhere."""
+    others were measured elsewhere. draft_sampling: DFlash's drafts, as in `run_methods`."""
 
     from flashdraft.model.checkpoint import load_drafter
     from flashdraft.model.target import load_target
@@ -276,11 +278,12 @@ def compare_methods(
     draft = load_drafter(drafter, device, dtype=model.dtype).eval()
     spec_target = decoding_target(model, draft)
     block = block_size or draft.block_size
+    draft_sampling = resolve_draft_sampling(draft_sampling, draft, temperature)
     ids = [encode_prompt(tokenizer, c, thinking) for c in conversations]
     stops = stop_token_ids(model, tokenizer)
     results = run_methods(
         spec_target, draft, ids, max_new_tokens, block, temperature, stops, seed, progress, cuda_graphs,
-        methods,
+        methods, draft_sampling,
     )  # fmt: skip
     settings = {
         "target": str(target),
@@ -288,6 +291,7 @@ def compare_methods(
         "num_prompts": len(ids),
         "max_new_tokens": max_new_tokens,
         "temperature": temperature,
+        "draft_sampling": draft_sampling,
         "block_size": block,
         "thinking": thinking,
         "device": str(device),

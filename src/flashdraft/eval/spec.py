@@ -13,9 +13,11 @@ docs/dflash.md and the reference `dflash` package step for step, so its tau is t
   accepted, then the target's next token is appended (the bonus); the target cache is cropped and the
   features of the kept tokens become the next context rows.
 
-At T = 0 the target's token is its argmax; at T > 0 it is a sample from softmax(logits / T): the
-drafts are deterministic, so accepting a draft exactly when it equals an independent sample, and
-otherwise keeping that sample, draws every token from the target's own distribution (lossless).
+At T = 0 the target's token is its argmax; at T > 0 it is a sample from softmax(logits / T): argmax
+drafts are deterministic (a one-hot proposal), so accepting a draft exactly when it equals an
+independent sample, and otherwise keeping that sample, draws every token from the target's own
+distribution (lossless). Sampled drafts carry their proposal distribution q (`Proposal`) and are
+verified by standard speculative sampling (`speculative_sample`), lossless for any q.
 
 Acceptance length of a cycle = tokens it commits (accepted drafts + the bonus, cut at a stop token or
 the budget), in [1, B]; tau = its mean per sample, then the mean over samples (as `dflash` computes it).
@@ -37,9 +39,40 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from flashdraft.eval.ngram import NgramProposer
-from flashdraft.eval.static import Graphs, StaticDFlashProposer, StaticTarget, draft_block, layer_visibility
+from flashdraft.eval.static import (
+    Graphs,
+    StaticDFlashProposer,
+    StaticTarget,
+    draft_hidden,
+    layer_visibility,
+)
 from flashdraft.model.drafter import DFlashDrafter
 from flashdraft.model.target import Target, stop_token_ids
+
+
+@dataclass
+class Proposal:
+    """Draft tokens [1, n] and, for sampled drafts, the distribution q each was drawn from.
+
+    q None: the drafts are deterministic (a one-hot proposal, verified by equality with the target's
+    token). q [1, n, V] with support None: q over the whole vocabulary. q [1, n, k] with support
+    [1, n, k]: q over the candidate ids `support` (DFlash2's candidate selector), zero elsewhere.
+    """
+
+    tokens: torch.Tensor
+    q: torch.Tensor | None = None
+    support: torch.Tensor | None = None
+
+    def __post_init__(self):
+        if self.support is not None and self.q is None:
+            raise ValueError("a Proposal's candidate ids (support) need their probabilities q")
+
+    def dense_q(self, vocab_size: int) -> torch.Tensor:
+        """q over the whole vocabulary [1, n, V], float32 (candidate probabilities put at their ids)."""
+        q = self.q.float()
+        if self.support is None:
+            return q
+        return q.new_zeros(*q.shape[:-1], vocab_size).scatter_add_(-1, self.support, q)
 
 
 class Proposer(Protocol):
@@ -48,8 +81,9 @@ class Proposer(Protocol):
     def observe(self, token_ids: torch.Tensor, features: torch.Tensor, start: int) -> None:
         """Verified tokens [1, n] at positions start..start+n-1 and their tapped features [1, n, N*D]."""
 
-    def propose(self, last_token: torch.Tensor, start: int, num_drafts: int) -> torch.Tensor:
-        """At most `num_drafts` tokens [1, k] to follow `last_token` (a [1] tensor at position `start`)."""
+    def propose(self, last_token: torch.Tensor, start: int, num_drafts: int) -> Proposal | torch.Tensor:
+        """At most `num_drafts` drafts to follow `last_token` (a [1] tensor at position `start`): a
+        Proposal, or bare tokens [1, k] for a deterministic proposer (the same as Proposal(tokens))."""
 
 
 @dataclass
@@ -70,14 +104,42 @@ class Generation:
         return sum(self.accept_lengths) / len(self.accept_lengths)
 
 
+def sampling_probs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """The distribution sampled at T > 0: softmax(logits / T) over the last axis, float32."""
+    return torch.softmax(logits.float() / temperature, dim=-1)
+
+
 def sample_tokens(
     logits: torch.Tensor, temperature: float, generator: torch.Generator | None
 ) -> torch.Tensor:
     """One token per row of logits [n, V]: the argmax at T = 0, else a sample of softmax(logits / T)."""
     if temperature <= 0:
         return logits.argmax(-1)
-    probs = torch.softmax(logits.float() / temperature, dim=-1)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    return torch.multinomial(sampling_probs(logits, temperature), 1, generator=generator).squeeze(-1)
+
+
+def speculative_sample(p: torch.Tensor, proposal: Proposal, generator: torch.Generator | None) -> list[int]:
+    """Standard speculative sampling of one block: the accepted drafts, then one token drawn by the rule.
+
+    p [n + 1, V]: the target's sampling distribution at the block's slots (row i scores draft i, row n
+    follows the last draft); proposal: n drafts with their q. In order, draft i is accepted with
+    probability min(1, p_i(x) / q_i(x)); at the first rejection the next token is drawn from the
+    normalised residual max(0, p_i - q_i), after n acceptances from p_n. Every emitted token then has
+    the target's law, whatever q is (Leviathan et al. 2023; Chen et al. 2023).
+    """
+    drafts = proposal.tokens[0]
+    n = drafts.shape[0]
+    q = proposal.dense_q(p.shape[-1])[0]
+    rows = torch.arange(n, device=p.device)
+    u = torch.rand(n, generator=generator, device=p.device)
+    # u < p / q without the division: never accepts where p = 0, always where p >= q
+    accepted = int((u * q[rows, drafts] < p[rows, drafts]).cumprod(0).sum())
+    if accepted == n:
+        law = p[n]
+    else:
+        residual = (p[accepted] - q[accepted]).clamp_min(0)
+        law = residual if residual.sum() > 0 else p[accepted]  # p = q: a rejection had probability 0
+    return drafts[:accepted].tolist() + torch.multinomial(law, 1, generator=generator).tolist()
 
 
 def new_cache(model: PreTrainedModel) -> DynamicCache:
@@ -135,12 +197,27 @@ def _clock(device: torch.device) -> float:
 
 
 class DFlashProposer:
-    """Drafts a block in one drafter forward; its KV cache holds context rows only (block K/V are dropped)."""
+    """Drafts a block in one drafter forward; its KV cache holds context rows only (block K/V are dropped).
 
-    def __init__(self, drafter: DFlashDrafter, target: Target):
+    temperature 0: the drafts are the argmax of the drafter's logits (one-hot proposals, the default), or
+    for DFlash2 the candidate selector's best path from the last token.
+    temperature > 0: each draft is sampled independently from softmax(logits / T) with `generator` and
+    carries that q for speculative sampling, as the reference `dflash` package drafts at T > 0; for
+    DFlash2 the selector samples one path and each position carries its q over the candidates.
+    """
+
+    def __init__(
+        self,
+        drafter: DFlashDrafter,
+        target: Target,
+        temperature: float = 0.0,
+        generator: torch.Generator | None = None,
+    ):
         target.require_taps(drafter.target_layer_ids)
         self.drafter = drafter
         self.target = target
+        self.temperature = temperature
+        self.generator = generator
         self.dtype = drafter.fc.weight.dtype
         self.kv: list[tuple[torch.Tensor, torch.Tensor]] = []
 
@@ -154,22 +231,50 @@ class DFlashProposer:
             ]
         self.kv = rows
 
-    def propose(self, last_token: torch.Tensor, start: int, num_drafts: int) -> torch.Tensor:
+    def hidden(self, last_token: torch.Tensor, start: int, num_drafts: int) -> torch.Tensor:
+        """The drafter's hidden states [1, num_drafts, D] for the block after `last_token` at `start`."""
         mask = last_token.new_full((1, num_drafts), self.drafter.mask_token_id)
         block = torch.cat([last_token.view(1, 1), mask], dim=1)
         positions = torch.arange(start, start + num_drafts + 1, device=block.device)[None]
         cached = self.kv[0][0].shape[2] if self.kv else 0  # context rows at positions 0..cached-1
         keys = torch.cat([torch.arange(cached, device=block.device), positions[0]])
         vis = layer_visibility(self.drafter, None, keys, positions[0])
-        return draft_block(self.drafter, self.target, block, positions, self.kv, vis)
+        return draft_hidden(self.drafter, self.target, block, positions, self.kv, vis)
+
+    def logits(self, last_token: torch.Tensor, start: int, num_drafts: int) -> torch.Tensor:
+        """The drafter's logits [num_drafts, V] for the block after `last_token` at position `start`."""
+        hidden = self.hidden(last_token, start, num_drafts)
+        return self.drafter.logits(hidden, self.target.lm_head)[0]
+
+    def propose(self, last_token: torch.Tensor, start: int, num_drafts: int) -> Proposal:
+        if self.drafter.dflash2 is not None:
+            hidden = self.hidden(last_token, start, num_drafts)
+            path = self.drafter.propose(
+                hidden, last_token.view(1), self.target.lm_head, self.temperature, self.generator
+            )
+            if path.probs is None:
+                return Proposal(path.tokens)
+            return Proposal(path.tokens, path.probs, path.candidates)
+        logits = self.logits(last_token, start, num_drafts)
+        if self.temperature <= 0:
+            return Proposal(logits.argmax(-1)[None])
+        q = sampling_probs(logits, self.temperature)
+        return Proposal(torch.multinomial(q, 1, generator=self.generator).T, q[None])
 
 
 def _verify(
-    logits: torch.Tensor, block: torch.Tensor, temperature: float, generator: torch.Generator | None
+    logits: torch.Tensor, proposal: Proposal, temperature: float, generator: torch.Generator | None
 ) -> list[int]:
-    """From the target's logits over the block: the accepted drafts + the bonus token."""
+    """From the target's logits over the block [1, n + 1, V]: the accepted drafts + the next token.
+
+    Sampled drafts (q given) at T > 0 go through speculative sampling. Otherwise draft i is accepted
+    when it equals the target's token at slot i (its argmax at T = 0, a sample at T > 0), which is
+    speculative sampling with a one-hot q, and at T = 0 also what it gives for any q (p is one-hot).
+    """
+    if temperature > 0 and proposal.q is not None:
+        return speculative_sample(sampling_probs(logits[0], temperature), proposal, generator)
     picked = sample_tokens(logits[0], temperature, generator)
-    drafts = block[0, 1:]
+    drafts = proposal.tokens[0]
     accepted = int((drafts == picked[:-1]).cumprod(0).sum())
     return torch.cat([drafts[:accepted], picked[accepted : accepted + 1]]).tolist()
 
@@ -221,9 +326,10 @@ def generate(
     while start + 1 < max_length and not stopped:
         size = min(width, max_length - start)
         drafts = proposer.propose(last, start, size - 1) if size > 1 else last.new_empty((1, 0))
-        block = torch.cat([last.view(1, 1), drafts], dim=1)
+        proposal = drafts if isinstance(drafts, Proposal) else Proposal(drafts)
+        block = torch.cat([last.view(1, 1), proposal.tokens], dim=1)
         logits, features = forwards.forward(block, start)
-        new = _verify(logits, block, temperature, generator)
+        new = _verify(logits, proposal, temperature, generator)
         new, stopped = _cut_at_stop(new[: max_length - start - 1], stops)
         kept = len(new)
         forwards.keep(kept, block.shape[1])
@@ -319,13 +425,19 @@ def eval_tau(
     block_size: int | None = None,
     thinking: bool = False,
     cuda_graphs: bool = False,
+    temperature: float = 0.0,
+    draft_sampling: str = "auto",
+    seed: int = 0,
 ) -> float:
-    """Greedy tau of `drafter` on a few prompts, cheap enough to call every N training steps.
+    """Tau of `drafter` on a few prompts (greedy by default), cheap enough to call every N training steps.
 
     prompts: token-id lists (tokenizer may then be None), or, with a tokenizer, strings (one user turn)
     or message lists, rendered with its chat template. Stops at the target's end-of-sequence ids.
-    cuda_graphs: as in run_methods (an eval-mode drafter whose weights stay put: not during training).
+    cuda_graphs, temperature, draft_sampling and seed: as in run_methods (cuda_graphs wants an eval-mode
+    drafter whose weights stay put: not during training).
     """
+    draft_sampling = resolve_draft_sampling(draft_sampling, drafter, temperature)
+    check_draft_sampling(draft_sampling, temperature, cuda_graphs)
     spec = decoding_target(target, drafter)
     ids = [_prompt_ids(p, tokenizer, thinking) for p in prompts]
     stops = stop_token_ids(spec.model, tokenizer)
@@ -333,21 +445,17 @@ def eval_tau(
     static, static_dflash = (
         static_decoders(spec, drafter, ids, max_new_tokens, block) if cuda_graphs else (None, None)
     )
+    draft_temperature = temperature if draft_sampling == "sample" else 0.0
     was_training = drafter.training
     drafter.eval()
     try:
-        taus = [
-            generate(
-                spec,
-                torch.tensor([p], device=spec.device),
-                max_new_tokens,
-                static_dflash or DFlashProposer(drafter, spec),
-                block,
-                stop_token_ids=stops,
-                static=static,
-            ).tau
-            for p in ids
-        ]
+        taus = []
+        for i, p in enumerate(ids):
+            gen = torch.Generator(device=spec.device).manual_seed(seed + i)
+            proposer = static_dflash or DFlashProposer(drafter, spec, draft_temperature, gen)
+            prompt = torch.tensor([p], device=spec.device)
+            out = generate(spec, prompt, max_new_tokens, proposer, block, temperature, stops, gen, static)
+            taus.append(out.tau)
     finally:
         drafter.train(was_training)
     return mean_tau(taus)
@@ -369,11 +477,46 @@ def mean_tau(taus: Sequence[float]) -> float:
 
 
 METHODS = ("autoregressive", "dflash", "ngram")
+# DFlash's drafts: argmax (one-hot), sampled with their q, or auto: argmax for DFlash, and for DFlash2 its
+# selector's path sampled at T > 0 (its best path at T = 0)
+DRAFT_SAMPLING = ("auto", "argmax", "sample")
 
 
-def _proposer(method: str, drafter: DFlashDrafter, target: Target, static_dflash=None) -> Proposer | None:
+def resolve_draft_sampling(draft_sampling: str, drafter: DFlashDrafter, temperature: float) -> str:
+    """The drafting rule "auto" stands for with this drafter at this temperature; others as they are."""
+    if draft_sampling != "auto":
+        return draft_sampling
+    return "sample" if drafter.dflash2 is not None and temperature > 0 else "argmax"
+
+
+def check_draft_sampling(draft_sampling: str, temperature: float, cuda_graphs: bool) -> None:
+    """Refuse a DFlash drafting rule that cannot run as asked, with the reason ("auto" is checked once
+    resolve_draft_sampling has made it a rule)."""
+    if draft_sampling not in DRAFT_SAMPLING:
+        raise ValueError(f"draft sampling must be one of {DRAFT_SAMPLING}, got {draft_sampling!r}")
+    if draft_sampling == "sample" and temperature <= 0:
+        raise ValueError(
+            "sampled drafts are drawn from softmax(drafter logits / T): they need a temperature > 0 "
+            "(at T = 0 the drafts are the argmax)"
+        )
+    if draft_sampling == "sample" and cuda_graphs:
+        raise ValueError(
+            "sampled drafts (DFlash2's default at T > 0) are not supported with CUDA graphs: the "
+            "fixed-shape drafter takes its drafts inside its graph; decode without cuda_graphs, or draft "
+            "by argmax"
+        )
+
+
+def _proposer(
+    method: str,
+    drafter: DFlashDrafter,
+    target: Target,
+    static_dflash=None,
+    draft_temperature: float = 0.0,
+    generator: torch.Generator | None = None,
+) -> Proposer | None:
     if method == "dflash":
-        return static_dflash or DFlashProposer(drafter, target)
+        return static_dflash or DFlashProposer(drafter, target, draft_temperature, generator)
     if method == "ngram":
         return NgramProposer()
     return None
@@ -405,31 +548,42 @@ def run_methods(
     progress=None,
     cuda_graphs: bool = False,
     methods: Sequence[str] = METHODS,
+    draft_sampling: str = "auto",
 ) -> dict[str, list[Generation]]:
     """Every prompt through plain decoding, DFlash and prompt lookup (or the `methods` named), interleaved
     so that drifting clocks hit all alike; one short warm-up run per method first (allocator, kernels,
     graph capture) is not measured. cuda_graphs: every method's target forwards and the drafter's on
     fixed-shape caches, replayed as CUDA graphs on a GPU (flashdraft.eval.static). A method's samples do
-    not depend on which others run: each prompt's sampling generator is seeded per method."""
+    not depend on which others run: each prompt's sampling generator is seeded per method.
+    draft_sampling: DFlash's drafts, "argmax" (one-hot proposals), "sample" (each drawn from
+    softmax(drafter logits / T), DFlash2's selector path sampled, with the prompt's generator and verified
+    by speculative sampling; T > 0, not with cuda_graphs) or "auto" (resolve_draft_sampling)."""
     unknown = set(methods) - set(METHODS)
     if unknown or not methods:
         raise ValueError(f"methods must be among {METHODS}, got {list(methods)}")
+    draft_sampling = resolve_draft_sampling(draft_sampling, drafter, temperature)
+    check_draft_sampling(draft_sampling, temperature, cuda_graphs)
     device = target.device
     static, static_dflash = (
         static_decoders(target, drafter, prompts, max_new_tokens, block_size) if cuda_graphs else (None, None)
     )
-    proposers = {m: (lambda m=m: _proposer(m, drafter, target, static_dflash)) for m in methods}
+    draft_temperature = temperature if draft_sampling == "sample" else 0.0
+
+    def proposer(method: str, gen: torch.Generator) -> Proposer | None:
+        return _proposer(method, drafter, target, static_dflash, draft_temperature, gen)
+
     results: dict[str, list[Generation]] = {m: [] for m in methods}
     warm = torch.tensor([prompts[0]], device=device)
     for method in methods:
-        generate(target, warm, min(16, max_new_tokens), proposers[method](), block_size, static=static)
+        gen = torch.Generator(device=device).manual_seed(seed)
+        generate(target, warm, min(16, max_new_tokens), proposer(method, gen), block_size, static=static)
     for i, prompt in enumerate(prompts):
         ids = torch.tensor([prompt], device=device)
         for method in methods:
             gen = torch.Generator(device=device).manual_seed(seed + i)
             results[method].append(
                 generate(
-                    target, ids, max_new_tokens, proposers[method](), block_size, temperature,
+                    target, ids, max_new_tokens, proposer(method, gen), block_size, temperature,
                     stop_tokens, gen, static,
                 )
             )  # fmt: skip

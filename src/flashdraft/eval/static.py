@@ -54,7 +54,7 @@ def layer_visibility(
     }
 
 
-def draft_block(
+def draft_hidden(
     drafter: DFlashDrafter,
     target: Target,
     block: torch.Tensor,
@@ -62,11 +62,26 @@ def draft_block(
     kv: list[tuple[torch.Tensor, torch.Tensor]],
     visibility: Visibility,
 ) -> torch.Tensor:
-    """Drafts for slots 1.. of `block` [1, w]: one drafter forward, argmax of the target's lm_head."""
+    """The drafter's hidden states [1, w - 1, D] of the drafts for slots 1.. of `block` [1, w] (one
+    drafter forward; the anchor's row left out)."""
     embeds = target.embed(block).to(drafter.fc.weight.dtype)
-    hidden = drafter(embeds, positions, kv, visibility)
-    head = target.lm_head
-    return head(hidden[:, 1:].to(head.weight.dtype)).argmax(-1)
+    return drafter(embeds, positions, kv, visibility)[:, 1:]
+
+
+def draft_logits(drafter: DFlashDrafter, target: Target, *block_and_cache) -> torch.Tensor:
+    """The logits [1, w - 1, V] of the drafts (draft_hidden's arguments): the target's lm_head, then a
+    DFlash2 drafter's multiplier and cap."""
+    return drafter.logits(draft_hidden(drafter, target, *block_and_cache), target.lm_head)
+
+
+def greedy_drafts(drafter: DFlashDrafter, target: Target, *block_and_cache) -> torch.Tensor:
+    """The T = 0 drafts [1, w - 1] (draft_hidden's arguments): the logits' argmax for DFlash, the candidate
+    selector's best path from the anchor for DFlash2."""
+    hidden = draft_hidden(drafter, target, *block_and_cache)
+    if drafter.dflash2 is None:
+        return drafter.logits(hidden, target.lm_head).argmax(-1)
+    block = block_and_cache[0]
+    return drafter.propose(hidden, block[:, 0], target.lm_head, 0.0).tokens
 
 
 class Graphs:
@@ -160,7 +175,12 @@ class StaticTarget:
 
 
 class StaticDFlashProposer:
-    """DFlashProposer's drafts from fixed buffers: context K/V per layer [1, h_kv, max_len, d]."""
+    """DFlashProposer's T = 0 drafts from fixed buffers: context K/V per layer [1, h_kv, max_len, d].
+
+    The drafts (the argmax, or DFlash2's best selector path) are taken inside the graph, so they are
+    one-hot proposals only: sampled drafts, which
+    need the logits and a generator outside it, are refused by flashdraft.eval.spec.check_draft_sampling.
+    """
 
     def __init__(self, drafter: DFlashDrafter, target: Target, max_len: int, graphs: Graphs, block_size: int):
         target.require_taps(drafter.target_layer_ids)
@@ -225,4 +245,4 @@ class StaticDFlashProposer:
         kv = list(zip(self.keys, self.values, strict=True))
         keys = torch.cat([torch.arange(self.max_len, device=block.device), positions])
         vis = layer_visibility(self.drafter, mask, keys, positions)
-        return draft_block(self.drafter, self.target, block, positions[None], kv, vis)
+        return greedy_drafts(self.drafter, self.target, block, positions[None], kv, vis)
