@@ -1,6 +1,8 @@
 """`flashdraft export --format gguf`: the drafter as the DFlash GGUF llama.cpp loads, read back with
-gguf.GGUFReader (names, metadata and tensors as llama.cpp build 11434's converter writes them); and
-`flashdraft engine-check`, which serves it with a built llama-server (skipped without one)."""
+gguf.GGUFReader (names, metadata and tensors as llama.cpp build 11434's converter writes them); and, with
+a built llama-server (skipped without one): an HF target converted for it (flashdraft.export.gguf_target)
+decodes, tokenizes and samples as transformers does, and `flashdraft engine-check` serves the drafter,
+at T = 0 and above, beside a `flashdraft eval` report's tau."""
 
 import json
 
@@ -124,14 +126,14 @@ def served_files(tiny_tokenizer, tmp_path):
     return tmp_path
 
 
-def _engine_check(files, drafter: str = "drafter.gguf"):
+def _engine_check(files, drafter: str = "drafter.gguf", target: str = "target.gguf", *options: str):
     from typer.testing import CliRunner
 
     from flashdraft.cli.main import app
 
-    args = ["engine-check", "--target", str(files / "target.gguf"), "--drafter", str(files / drafter),
+    args = ["engine-check", "--target", str(files / target), "--drafter", str(files / drafter),
             "--prompts", str(files / "prompts.jsonl"), "--out", str(files / "engine" / "report.json"),
-            "--max-new-tokens", "24", "--threads", "1", "--draft-max", str(BLOCK - 1)]  # fmt: skip
+            "--max-new-tokens", "24", "--threads", "1", "--draft-max", str(BLOCK - 1), *options]  # fmt: skip
     return CliRunner().invoke(app, args)
 
 
@@ -156,3 +158,131 @@ def test_engine_check_names_a_server_that_dies_with_the_end_of_its_log(llama_ser
     assert "llama-server exited with code" in result.output
     assert "llama-server.dflash.log" in result.output and "broken.gguf" in result.output  # the log's tail
     assert _servers_serving(served_files) == []
+
+
+def test_engine_check_puts_an_evals_tau_beside_the_engines_and_refuses_an_eval_of_other_prompts(
+    llama_server, served_files
+):
+    """At T = 1, with the target as its HF directory (converted next to the report) and --compare: ours,
+    the reference's and the engine's tau per prompt and as means; an eval of other prompts or settings
+    is refused before any server starts."""
+    settings = {"prompts": str(served_files / "prompts.jsonl"), "num_prompts": 2, "max_new_tokens": 24,
+                "temperature": 1.0, "thinking": False, "block_size": BLOCK}  # fmt: skip
+    ours = {"settings": settings, "dflash": {"tau_per_sample": [1.5, 2.0]}}
+    (served_files / "eval.json").write_text(json.dumps(ours | {"reference": {"tau_per_sample": [1.5, 2.5]}}))
+    compare = ("--temperature", "1", "--compare", str(served_files / "eval.json"))
+    result = _engine_check(served_files, "drafter.gguf", "target.hf", *compare)
+    assert result.exit_code == 0, result.output
+    report = json.loads((served_files / "engine" / "report.json").read_text())
+    assert (
+        report["settings"]["temperature"] == 1.0 and "identical_to_plain" not in report
+    )  # lossless only at T = 0
+    converted = served_files / "engine" / "target.hf.f32.gguf"
+    assert report["settings"]["target"] == str(converted) and converted.is_file()
+    beside = report["compare"]
+    assert beside["tau"] == {"ours": 1.75, "reference": 2.0, "engine": pytest.approx(report["tau"])}
+    assert beside["engine_vs_ours"] == pytest.approx(report["tau"] / 1.75 - 1)
+    assert [(row["ours"], row["reference"]) for row in beside["per_prompt"]] == [(1.5, 1.5), (2.0, 2.5)]
+    assert [row["engine"] for row in beside["per_prompt"]] == report["tau_per_request"]
+    assert "tau over 2 prompts: ours 1.75, reference 2.00, engine" in result.output
+
+    (served_files / "other.jsonl").write_text((served_files / "prompts.jsonl").read_text())
+    settings["prompts"] = str(served_files / "other.jsonl")
+    (served_files / "eval.json").write_text(json.dumps(ours))
+    result = _engine_check(served_files, "drafter.gguf", "target.gguf", *compare[2:], "--max-prompts", "1")
+    assert result.exit_code == 2
+    for problem in ("the eval read " + settings["prompts"], "the eval decoded the first 2, this check 1",
+                    "temperature: the eval's 1.0, this check's 0.0"):  # fmt: skip
+        assert problem in result.output
+    assert _servers_serving(served_files) == []
+
+
+@pytest.fixture
+def qwen3_target(tiny_tokenizer, tmp_path):
+    """(a seeded tiny Qwen3 whose logits spread, its HF directory)."""
+    from flashdraft.demo.tiny import build_tiny_target, save_target
+
+    torch.manual_seed(0)
+    model = build_tiny_target(tiny_tokenizer).eval()
+    with torch.no_grad():
+        model.lm_head.weight.normal_(0.0, 0.5)
+    return model, save_target(model, tiny_tokenizer, tmp_path / "qwen3")
+
+
+def test_an_hf_target_in_llama_server_tokenizes_decodes_and_samples_as_transformers(
+    llama_server, qwen3_target, tiny_tokenizer, tmp_path
+):
+    """Converted to GGUF (f32): llama-server's tokens of a string, its text of them, its greedy tokens
+    are transformers'; at T = 3 it samples softmax(logits / T) over the whole vocabulary, as our eval
+    does, not after llama.cpp's default top_k 40 and min_p 0.05."""
+    from flashdraft.eval.engine import LlamaServer, ServerOptions
+    from flashdraft.export.gguf_target import served_target
+
+    model, hf = qwen3_target
+    tok = tiny_tokenizer
+    text = "def f(x):\n\treturn x['a'] + 3.14  # it's 2 spaces  \n\n  ok? \u00fcn\u00ef \U0001f999 done"
+    ids = tok(text, add_special_tokens=False).input_ids
+    prompt = ids[:16]
+    opts = ServerOptions(threads=1, ctx_size=256)
+    with LlamaServer(
+        llama_server, served_target(hf, tmp_path), None, tmp_path / "server.log", opts
+    ) as server:
+        assert server.client.post("/tokenize", json={"content": text}).json()["tokens"] == ids
+        assert server.client.post("/detokenize", json={"tokens": ids}).json()["content"] == tok.decode(ids)
+        greedy = server.complete(prompt, 40, seed=0)["tokens"]
+        sampled = server.complete(prompt, 64, seed=0, temperature=3.0)["tokens"]
+    with torch.no_grad():
+        ours = model.generate(torch.tensor([prompt]), max_new_tokens=40, do_sample=False)[0, len(prompt) :]
+        logits = model(torch.tensor([prompt + sampled])).logits[0, len(prompt) - 1 : -1]
+    assert len(greedy) == 40 and greedy == ours.tolist()
+    probs = torch.softmax(logits / 3.0, dim=-1)
+    picked = probs[torch.arange(len(sampled)), torch.tensor(sampled)]
+    assert (probs > picked[:, None]).sum(-1).max() >= 40  # a token past the 40 most probable
+    assert (picked / probs.max(-1).values).min() < 0.05  # a token min_p 0.05 would have cut
+
+
+# the Split regexes of Qwen2/Qwen3's and Llama 3's tokenizer.json, with the BPE's ignore_merges
+SPLITS = {
+    "qwen2": (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+              r"|\s*[\r\n]+|\s+(?!\S)|\s+", False),
+    "llama3": (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+               r"|\s*[\r\n]+|\s+(?!\S)|\s+", True),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("split", SPLITS)
+def test_llama_server_tokenizes_as_a_split_then_byte_level_tokenizer_does(llama_server, split, tmp_path):
+    """A target whose tokenizer splits on Qwen2's or Llama 3's regex before its byte-level BPE, as the
+    released ones do: llama-server's tokens and text are transformers'."""
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from flashdraft.demo.tiny import SPECIAL_TOKENS, build_tiny_target, save_target, stdlib_files
+    from flashdraft.eval.engine import LlamaServer, ServerOptions
+    from flashdraft.export.gguf_target import served_target
+
+    regex, ignore_merges = SPLITS[split]
+    backend = Tokenizer(models.BPE(ignore_merges=ignore_merges))
+    backend.normalizer = normalizers.NFC()
+    backend.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Split(Regex(regex), "isolated"), pre_tokenizers.ByteLevel(False, use_regex=False)]
+    )
+    backend.decoder = decoders.ByteLevel()
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    trainer = trainers.BpeTrainer(vocab_size=1024, special_tokens=SPECIAL_TOKENS, initial_alphabet=alphabet)
+    # numbers, for merges of digits: Qwen2's regex splits digits one by one, Llama 3's in threes
+    numbers = " ".join(str(n) for n in range(0, 10**6, 997))
+    texts = [numbers] + [p.read_text(errors="replace") for p in stdlib_files(limit=20)]
+    backend.train_from_iterator(texts, trainer)
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    hf = save_target(build_tiny_target(tok, layers=1), tok, tmp_path / "target")
+    text = (
+        "def f(x):\n\treturn x['A'] + 3.14  # it's 1000000 or 2000  \n\n  I'LL \u00fcn\u00ef \U0001f999 ok?"
+    )
+    ids = tok(text, add_special_tokens=False).input_ids
+    opts = ServerOptions(threads=1, ctx_size=128)
+    with LlamaServer(
+        llama_server, served_target(hf, tmp_path), None, tmp_path / "server.log", opts
+    ) as server:
+        assert server.client.post("/tokenize", json={"content": text}).json()["tokens"] == ids
+        assert server.client.post("/detokenize", json={"tokens": ids}).json()["content"] == tok.decode(ids)

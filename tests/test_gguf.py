@@ -1,9 +1,12 @@
 """GGUF targets: a `.gguf` file is a target wherever one is named (train, eval, data prepare, regenerate,
 export), loaded dequantized by transformers with its tokenizer and chat template, and a drafter's
-checkpoint records the file it was trained against. The file is written here with the `gguf` package
-from a tiny Llama, as llama.cpp's converter writes one (its tensor names, its rotary layout of q and k)."""
+checkpoint records the file it was trained against. The file is written by flashdraft's own conversion
+(flashdraft.export.gguf_target) from a tiny Llama saved as an HF directory; transformers' GGUF loader
+undoes llama.cpp's rotary layout of q and k, so equal logits check that layout too. The conversion's
+metadata and refusals are tested here; llama-server serving a converted target, in test_engine.py."""
 
 import json
+import shutil
 
 import gguf
 import numpy as np
@@ -13,57 +16,17 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from typer.testing import CliRunner
 
 from flashdraft.cli.main import app
+from flashdraft.export.gguf_target import write_gguf_target
 from flashdraft.model.checkpoint import latest_checkpoint
 from flashdraft.model.target import load_target
 
 
-def _rotary_layout(w: np.ndarray, heads: int) -> np.ndarray:
-    """q/k rows as llama.cpp stores them: each head's two rotary halves interleaved."""
-    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
 def write_gguf(model, tokenizer, path) -> None:
-    c = model.config
-    w = gguf.GGUFWriter(str(path), "llama")
-    w.add_name("tiny llama")
-    w.add_context_length(c.max_position_embeddings)
-    w.add_embedding_length(c.hidden_size)
-    w.add_block_count(c.num_hidden_layers)
-    w.add_feed_forward_length(c.intermediate_size)
-    w.add_head_count(c.num_attention_heads)
-    w.add_head_count_kv(c.num_key_value_heads)
-    w.add_layer_norm_rms_eps(c.rms_norm_eps)
-    w.add_rope_freq_base(c.rope_parameters["rope_theta"])
-    state = json.loads(tokenizer.backend_tokenizer.to_str())
-    tokens = [t for t, _ in sorted(state["model"]["vocab"].items(), key=lambda kv: kv[1])]
-    special = {t["id"] for t in state["added_tokens"]}
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
-    w.add_token_list(tokens)
-    w.add_token_types([3 if i in special else 1 for i in range(len(tokens))])  # 3: control
-    w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in state["model"]["merges"]])
-    w.add_eos_token_id(tokenizer.eos_token_id)
-    w.add_pad_token_id(tokenizer.pad_token_id)
-    w.add_add_bos_token(False)
-    w.add_chat_template(tokenizer.chat_template)
-    sd = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
-    w.add_tensor("token_embd.weight", sd["model.embed_tokens.weight"])
-    w.add_tensor("output_norm.weight", sd["model.norm.weight"])
-    w.add_tensor("output.weight", sd["lm_head.weight"])
-    names = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
-             "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate",
-             "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}  # fmt: skip
-    for i in range(c.num_hidden_layers):
-        layer = f"model.layers.{i}."
-        for hf, ours in names.items():
-            w.add_tensor(f"blk.{i}.{ours}.weight", sd[f"{layer}{hf}.weight"])
-        q, k = sd[layer + "self_attn.q_proj.weight"], sd[layer + "self_attn.k_proj.weight"]
-        w.add_tensor(f"blk.{i}.attn_q.weight", _rotary_layout(q, c.num_attention_heads))
-        w.add_tensor(f"blk.{i}.attn_k.weight", _rotary_layout(k, c.num_key_value_heads))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    """The model and tokenizer as the GGUF llama-server serves (their HF directory beside it, converted)."""
+    hf = path.with_name(path.stem + ".hf")
+    model.save_pretrained(hf)
+    tokenizer.save_pretrained(hf)
+    write_gguf_target(hf, path)
 
 
 def tiny_llama(tok):
@@ -101,6 +64,81 @@ def test_a_gguf_file_loads_as_the_model_and_tokenizer_it_holds(gguf_target, tiny
     assert tokenizer(text).input_ids == tiny_tokenizer(text).input_ids
     assert tokenizer.chat_template == tiny_tokenizer.chat_template
     assert tokenizer.eos_token_id == tiny_tokenizer.eos_token_id
+
+
+def test_an_hf_target_converts_with_the_metadata_tokenizer_and_tensors_llama_cpp_reads(
+    tiny_target_dir, tiny_tokenizer, tmp_path
+):
+    from safetensors.torch import load_file
+
+    tok = tiny_tokenizer
+    reader = gguf.GGUFReader(write_gguf_target(tiny_target_dir, tmp_path / "target.gguf"))
+    field = {k: f.contents() for k, f in reader.fields.items()}
+    assert field["general.architecture"] == "qwen3" and field["qwen3.block_count"] == 6
+    assert field["qwen3.embedding_length"] == 64 and field["qwen3.attention.key_length"] == 16
+    assert field["qwen3.attention.head_count_kv"] == 2 and field["qwen3.rope.freq_base"] == 10000.0
+    assert field["tokenizer.ggml.pre"] == "gpt-2"  # the pre-tokenizer llama.cpp runs with ByteLevel's regex
+    assert field["tokenizer.ggml.tokens"] == tok.convert_ids_to_tokens(list(range(len(tok))))
+    specials = set(tok.all_special_ids)
+    assert field["tokenizer.ggml.token_type"] == [3 if i in specials else 1 for i in range(len(tok))]
+    merges = json.loads(tok.backend_tokenizer.to_str())["model"]["merges"]
+    assert field["tokenizer.ggml.merges"] == [" ".join(m) for m in merges]
+    assert field["tokenizer.ggml.eos_token_id"] == tok.eos_token_id
+    assert field["tokenizer.ggml.add_bos_token"] is False
+    assert field["tokenizer.chat_template"] == tok.chat_template
+
+    tensors = {t.name: t for t in reader.tensors}
+    assert len(tensors) == 3 + 6 * 11 and {t.tensor_type.name for t in tensors.values()} == {"F32"}
+    q = load_file(tiny_target_dir / "model.safetensors")["model.layers.0.self_attn.q_proj.weight"]
+    # Qwen ropes in the NeoX layout: q's rows as transformers has them (Llama's are permuted)
+    assert np.array_equal(np.asarray(tensors["blk.0.attn_q.weight"].data).reshape(q.shape), q.numpy())
+    f16 = gguf.GGUFReader(write_gguf_target(tiny_target_dir, tmp_path / "f16.gguf", "f16"))
+    types = {t.name: t.tensor_type.name for t in f16.tensors}
+    assert types["blk.0.attn_q.weight"] == "F16" and types["blk.0.attn_norm.weight"] == "F32"
+
+
+def test_the_target_conversion_refuses_what_llama_cpp_would_run_otherwise(tiny_target_dir, tmp_path):
+    from flashdraft.export.gguf_target import served_target
+
+    src = shutil.copytree(tiny_target_dir, tmp_path / "target")
+    config = json.loads((src / "config.json").read_text())
+    rope = {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}
+    edited = config | {"rope_parameters": rope, "use_sliding_window": True, "sliding_window": 64}
+    (src / "config.json").write_text(json.dumps(edited))
+    state = json.loads((src / "tokenizer.json").read_text())
+    (src / "tokenizer.json").write_text(json.dumps(state | {"pre_tokenizer": {"type": "Whitespace"}}))
+    with pytest.raises(ValueError) as refused:
+        served_target(src, tmp_path / "out")
+    for problem in ("rope_type 'dynamic'", "sliding_window 64", 'pre-tokenizer {"type": "Whitespace"}'):
+        assert problem in str(refused.value)
+    (src / "config.json").write_text(json.dumps(config | {"architectures": ["GPT2LMHeadModel"]}))
+    with pytest.raises(ValueError, match="architecture GPT2LMHeadModel: the target conversion supports"):
+        served_target(src, tmp_path / "out")
+    with pytest.raises(ValueError, match="a .gguf file or a local Hugging Face directory"):
+        served_target("Qwen/Qwen3-8B", tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_export_converts_an_hf_target_next_to_the_drafters_gguf(tiny_target_dir, tiny_tokenizer, tmp_path):
+    from flashdraft.model.checkpoint import write_zlab
+    from flashdraft.model.drafter import DFlashDrafter, drafter_config
+
+    mask_id = tiny_tokenizer.convert_tokens_to_ids("<|mask|>")
+    drafter = DFlashDrafter(
+        drafter_config(AutoConfig.from_pretrained(tiny_target_dir), 1, None, 2, 8, mask_id)
+    )
+    (tmp_path / "ckpt").mkdir()
+    write_zlab(drafter.eval(), tmp_path / "ckpt")
+    out = tmp_path / "served" / "drafter.gguf"
+    result = CliRunner().invoke(app, ["export", str(tmp_path / "ckpt"), "--format", "gguf", "--target",
+                                      str(tiny_target_dir), "--out", str(out)])  # fmt: skip
+    assert result.exit_code == 0, result.output
+    converted = out.parent / f"{tiny_target_dir.name}.f32.gguf"
+    assert f"converted for llama-server: {converted}" in result.output
+    target = {k: f.contents() for k, f in gguf.GGUFReader(converted).fields.items()}
+    served = {k: f.contents() for k, f in gguf.GGUFReader(out).fields.items()}
+    assert served["tokenizer.ggml.tokens"] == target["tokenizer.ggml.tokens"]  # the drafter's vocabulary
+    assert served["tokenizer.ggml.pre"] == "gpt-2"
 
 
 def test_a_missing_gguf_file_is_named(tmp_path):
@@ -282,7 +320,7 @@ def test_the_reference_waits_for_a_run_with_the_time_it_needs(tmp_path, monkeypa
 
     scale = dataclasses.replace(real_target.CPU, reference_prompts=2)
     monkeypatch.setattr(real_target, "smollm2_gguf", lambda: tmp_path / "x.gguf")
-    monkeypatch.setattr(real_target, "gguf_to_hf", lambda gguf, out: out)
+    monkeypatch.setattr(real_target, "gguf_to_hf", lambda path, out: out)
     monkeypatch.setattr(target, "load_tokenizer", lambda path: None)
     ran = []
     monkeypatch.setattr(real_target, "reference_on_prompts", lambda *a: ran.append(a) or {"tau": 3.0})
@@ -319,7 +357,7 @@ def test_a_drafter_slice_ends_on_the_clock_with_time_to_save_and_goes_on_next_ru
 
     scale = dataclasses.replace(real_target.CPU, drafter_minutes=10.0)
     monkeypatch.setattr(real_target, "smollm2_gguf", lambda: tmp_path / "x.gguf")
-    monkeypatch.setattr(real_target, "gguf_to_hf", lambda gguf, out: out)
+    monkeypatch.setattr(real_target, "gguf_to_hf", lambda path, out: out)
 
     class Tokenizer:
         def convert_tokens_to_ids(self, token):

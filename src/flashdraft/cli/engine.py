@@ -17,7 +17,7 @@ from flashdraft.cli.eval import _fail
 
 
 def _prompt_ids(target: Path, prompts: Path, max_prompts: int | None, thinking: bool) -> list[list[int]]:
-    """The token ids `flashdraft eval` decodes: our tokenizer from the GGUF, its chat template applied."""
+    """The token ids `flashdraft eval` decodes: the target's tokenizer, its chat template applied."""
     from flashdraft.eval.spec import encode_prompt, read_prompts
     from flashdraft.model.target import load_tokenizer
 
@@ -26,12 +26,15 @@ def _prompt_ids(target: Path, prompts: Path, max_prompts: int | None, thinking: 
 
 
 def _line(report: dict) -> str:
-    return (
+    line = (
         f"engine tau {report['tau']:.3f} (acceptance {report['acceptance_rate']:.1%} of "
         f"{report['drafted']} drafted), {report['tokens_per_s_drafter']:.1f} tokens/s with the drafter, "
-        f"{report['tokens_per_s_plain']:.1f} without: speedup {report['speedup']:.2f}x; "
-        f"{report['identical_to_plain']} of {report['requests']} completions identical to plain decoding"
+        f"{report['tokens_per_s_plain']:.1f} without: speedup {report['speedup']:.2f}x"
     )
+    if "identical_to_plain" in report:
+        same = report["identical_to_plain"]
+        line += f"; {same} of {report['requests']} completions identical to plain decoding"
+    return line
 
 
 @contextlib.contextmanager
@@ -49,11 +52,49 @@ def _sigterm_as_interrupt():
 
 
 def _finite(x):
+    """x with every non-finite float in it (at any depth) as None, which JSON can hold."""
+    if isinstance(x, dict):
+        return {k: _finite(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_finite(v) for v in x]
     return None if isinstance(x, float) and not math.isfinite(x) else x
 
 
+def _read_eval_report(path: Path) -> dict:
+    try:
+        report = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not JSON ({e})") from None
+    if not isinstance(report, dict) or "dflash" not in report:
+        raise ValueError(f"{path}: not a `flashdraft eval` report (it has no dflash section)")
+    return report
+
+
+def _fmt(x: float | None) -> str:
+    return "-" if x is None or math.isnan(x) else f"{x:.2f}"
+
+
+def _comparison_lines(compare: dict) -> list[str]:
+    """One summary line, then tau per prompt in columns."""
+    tau = compare["tau"]
+    names = list(tau)
+    summary = ", ".join(f"{name} {_fmt(tau[name])}" for name in names)
+    lines = [
+        f"tau over {compare['prompts_measured']} prompts: {summary}; "
+        f"engine vs ours {compare['engine_vs_ours']:+.1%}",
+        "prompt " + " ".join(f"{name:>9}" for name in names),
+    ]
+    for i, row in enumerate(compare["per_prompt"]):
+        lines.append(f"{i:>6} " + " ".join(f"{_fmt(row[name]):>9}" for name in names))
+    return lines
+
+
 def engine_check_cmd(
-    target: Path = typer.Option(..., help="the target's .gguf file, as llama-server serves it"),
+    target: Path = typer.Option(
+        ...,
+        help="the target: a .gguf file, or a Hugging Face directory (Llama, Mistral, Qwen2, Qwen3), which is "
+        "converted to a .gguf next to the report",
+    ),
     drafter: Path = typer.Option(..., help="the drafter's .gguf file (`flashdraft export --format gguf`)"),
     prompts: Path = typer.Option(..., help='JSONL of {"messages": [...]} or {"prompt": "..."} records'),
     out: Path = typer.Option(..., help="report path, e.g. REPORT.json; the servers' logs go next to it"),
@@ -70,19 +111,45 @@ def engine_check_cmd(
     ),
     request_timeout: float = typer.Option(300.0, min=1.0, help="seconds one completion may take"),
     seed: int = typer.Option(0, help="the requests' sampling seed"),
+    temperature: float = typer.Option(
+        0.0, min=0.0, help="0: greedy; > 0: samples of softmax(logits / T), as `flashdraft eval` draws them"
+    ),
+    compare: Path | None = typer.Option(
+        None,
+        help="a `flashdraft eval` REPORT.json over the same prompts and settings: its tau (and the reference "
+        "package's) beside the engine's, per prompt",
+    ),
 ) -> None:
-    """Serve target and drafter with llama.cpp's DFlash speculative decoding at T = 0, then the target
-    alone, over the prompts of `flashdraft eval`: the engine's tau, acceptance and tokens/s, as JSON."""
-    from flashdraft.eval.engine import ServerError, ServerOptions, engine_check, find_server
+    """Serve target and drafter with llama.cpp's DFlash speculative decoding, then the target alone, over
+    the prompts of `flashdraft eval`: the engine's tau, acceptance and tokens/s, as JSON."""
+    from flashdraft.eval.engine import (
+        ServerError,
+        ServerOptions,
+        beside_eval,
+        comparison_problems,
+        engine_check,
+        find_server,
+    )
+    from flashdraft.export.gguf_target import served_target
 
     try:
         binary = find_server(server)
-        for path in (target, drafter):
-            if not path.is_file():
-                raise FileNotFoundError(f"{path}: no such file")
+        if not drafter.is_file():
+            raise FileNotFoundError(f"{drafter}: no such file")
         ids = _prompt_ids(target, prompts, max_prompts, thinking)
+        if compare is not None:
+            eval_report = _read_eval_report(compare)
+            settings = {"max_new_tokens": max_new_tokens, "temperature": temperature, "thinking": thinking}
+            problems = comparison_problems(
+                eval_report, prompts, len(ids), settings | {"block_size": draft_max + 1}
+            )
+            if problems:
+                raise ValueError(f"{compare} measured other decoding:\n  " + "\n  ".join(problems))
+        served = served_target(target, out.parent)
     except (ValueError, OSError) as e:
         _fail(str(e))
+    if served != target:
+        typer.echo(f"target {target} converted for llama-server: {served}")
     # a context that holds the longest prompt, its completion and one draft past it; no more memory
     ctx = max(len(x) for x in ids) + max_new_tokens + draft_max + 16
     opts = ServerOptions(
@@ -91,12 +158,20 @@ def engine_check_cmd(
     out.parent.mkdir(parents=True, exist_ok=True)
     try:
         with _sigterm_as_interrupt():
-            report = engine_check(binary, target, drafter, ids, max_new_tokens, opts, out.parent, seed)
+            report = engine_check(
+                binary, served, drafter, ids, max_new_tokens, opts, out.parent, seed, temperature
+            )
     except ServerError as e:
         _fail(str(e), code=1)
     except KeyboardInterrupt:
         _fail("interrupted; llama-server stopped", code=130)
-    report["settings"]["prompts"] = str(prompts)
-    out.write_text(json.dumps({k: _finite(v) for k, v in report.items()}, indent=2))
+    report["settings"] |= {"prompts": str(prompts), "thinking": thinking}
+    if served != target:
+        report["settings"]["converted_from"] = str(target)
+    if compare is not None:
+        report["compare"] = {"eval_report": str(compare), **beside_eval(report, eval_report)}
+    out.write_text(json.dumps(_finite(report), indent=2))
     typer.echo(_line(report))
+    if compare is not None:
+        typer.echo("\n".join(_comparison_lines(report["compare"])))
     typer.echo(f"report {out}")

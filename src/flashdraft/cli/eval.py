@@ -28,6 +28,12 @@ def eval_cmd(
     ),
     max_new_tokens: int = typer.Option(256, min=1, help="new tokens per prompt at most"),
     temperature: float = typer.Option(0.0, min=0.0, help="0: greedy; > 0: lossless speculative sampling"),
+    draft_sampling: str = typer.Option(
+        "auto",
+        help="the drafts at T > 0: argmax (one-hot proposals), sample (DFlash: each position drawn from "
+        "softmax(drafter logits / T); DFlash2: the selector's path sampled; verified with their "
+        "probabilities; not with --cuda-graphs), or auto (argmax for DFlash, sample for DFlash2)",
+    ),
     block_size: int | None = typer.Option(
         None, min=2, help="tokens per verify block (default: the drafter's)"
     ),
@@ -54,10 +60,14 @@ def eval_cmd(
     """Speculative decoding with target + drafter: tau, per-position acceptance, speedup vs plain decoding
     and vs prompt lookup (n-gram), written as a JSON report with a plot."""
     from flashdraft.eval.report import compare_methods, print_table, write_report
-    from flashdraft.eval.spec import read_prompts
+    from flashdraft.eval.spec import check_draft_sampling, read_prompts
 
     if reference and temperature > 0:
         _fail("--reference compares greedy decoding: use it with --temperature 0")
+    try:
+        check_draft_sampling(draft_sampling, temperature, cuda_graphs)
+    except ValueError as e:
+        _fail(f"--draft-sampling {draft_sampling}: {e}")
     if reference and importlib.util.find_spec("dflash") is None:
         _fail("--reference needs the reference package: pip install --no-deps dflash==0.1.0")
     try:
@@ -75,6 +85,7 @@ def eval_cmd(
             progress=lambda i, n: typer.echo(f"prompt {i}/{n}", err=True),
             cuda_graphs=cuda_graphs,
             attention=target_attention,
+            draft_sampling=draft_sampling,
         )
     except (ValueError, FileNotFoundError, OSError) as e:
         _fail(str(e))
@@ -139,16 +150,22 @@ def export_cmd(
     ),
     target: str | None = typer.Option(
         None,
-        help="speculators: the verifier's hub id or path; gguf: the target's .gguf file "
-        "(default: the target the checkpoint records)",
+        help="speculators: the verifier's hub id or path; gguf: the target's .gguf file, or its Hugging Face "
+        "directory, converted to a .gguf next to --out (default: the target the checkpoint records)",
     ),
 ) -> None:
     """Validate a checkpoint and write it in an engine's layout: config.json + model.safetensors, bf16,
     or one GGUF file for llama.cpp."""
     from flashdraft.export.formats import export_checkpoint
+    from flashdraft.export.gguf_target import served_target
 
     verifier = target or (_run_target(ckpt) if fmt in ("speculators", "gguf") else None)
     try:
+        if fmt == "gguf" and verifier:  # the drafter's file takes its tokenizer from the served target's
+            served = served_target(verifier, out.parent)
+            if str(served) != verifier:
+                typer.echo(f"target {verifier} converted for llama-server: {served}")
+            verifier = str(served)
         path = export_checkpoint(ckpt, fmt, out, verifier)
     except (ValueError, OSError) as e:
         _fail(str(e))

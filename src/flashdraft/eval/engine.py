@@ -2,17 +2,36 @@
 
 Our tau comes from our own decode loop (flashdraft.eval.spec); engines are where drafters fail
 silently. This module serves the target twice on 127.0.0.1, with the drafter (DFlash speculative
-decoding) and without it, sends the same prompts at T = 0 one at a time, and reads the engine's own
-statistics: drafted and accepted tokens per request from its `timings`, verify steps from `/metrics`.
+decoding) and without it, sends the same prompts one at a time, and reads the engine's own statistics:
+drafted and accepted tokens per request from its `timings`, verify steps from `/metrics`.
 
 Prompts are rendered and tokenized by our tokenizer (flashdraft.eval.spec.encode_prompt) and sent as
 token ids, so the engine decodes exactly the ids our eval decodes.
 
+Sampling is our eval's: the argmax at T = 0, else a sample of the plain softmax(logits / T). Each
+request sets llama.cpp's sampler chain to the temperature alone (`PLAIN_SAMPLING`), which leaves out
+every sampler that reshapes the distribution: its default chain cuts it with top_k 40, top_p 0.95 and
+min_p 0.05 (common/common.h), and would apply penalties, DRY, XTC and typical-p where asked.
+
+The proposal rule at T > 0 is ours too: argmax drafts, accepted while the target's sample equals them
+(a one-hot proposal). In build 11434, `common_speculative_impl_draft_dflash::draft`
+(common/speculative.cpp) drafts the top token of a top-k 10 sampler at each mask slot, whatever the
+temperature, and fills no draft probabilities (`result_q`). The server (tools/server/server-context.cpp)
+then finds `spec_draft_q` empty and verifies with `common_sampler_sample_and_accept_n`
+(common/sampling.cpp): it samples the target at each slot and stops at the first sample that differs
+from the draft, keeping that sample. Its rejection sampler (`common_sampler_sample_and_accept_n_rejection`,
+min(1, p/q)) serves only drafters that report q.
+
 Engine tau = 1 + accepted / verify steps (llama.cpp's "mean len"), per request, then the mean over
 requests as our tau is. It counts what ours counts (tokens committed per target verify, the first
 token from the prefill left out) except at the edges: llama.cpp decodes the last token of the budget
-without drafts and counts no step for it, where ours counts a cycle of 1; it counts drafts accepted
-past a stop token, where ours cuts the cycle at it.
+without drafts and counts no step for it, where ours counts a cycle of 1; when a stop token is the
+block's last draft and accepted, it counts the bonus token sampled after it too (a stop among the
+earlier drafts ends the step there, `common_sampler_sample_and_accept_n`), where ours cuts the cycle
+at the stop. Drafts themselves differ where the drafter's two best logits are within about 0.01:
+ggml multiplies the GGUF's bf16 matrices with activations rounded to bf16 (its CPU `vec_dot_type` for
+bf16), where our eval runs the drafter in the target's dtype, f32 for an f32 target. That moves single
+steps either way.
 """
 
 from __future__ import annotations
@@ -31,6 +50,10 @@ import httpx
 SERVER_ENV = "FLASHDRAFT_LLAMA_SERVER"
 DEFAULT_SERVER = Path.home() / ".cache/flashdraft/llama.cpp/build-portable/bin/llama-server"
 STEPS_METRIC = "llamacpp:spec_decode_num_drafts_total"
+# /completion's sampler chain (tools/server/server-schema.cpp, `samplers`): the temperature alone, then
+# common/sampling.cpp's draw from the distribution (`llama_sampler_init_dist`); mirostat, which would
+# replace the chain, is off by default
+PLAIN_SAMPLING = {"samplers": ["temperature"]}
 TAU_DEFINITION = (
     "engine tau = 1 + accepted drafts / verify steps (llama.cpp's mean len) per request, then the mean "
     "over requests; the last token of the budget (decoded without drafts) is no step"
@@ -158,10 +181,13 @@ class LlamaServer:
                 return int(float(line.split()[1]))
         raise ServerError(f"llama-server's /metrics has no {STEPS_METRIC}")
 
-    def complete(self, prompt_ids: list[int], max_new_tokens: int, seed: int) -> dict:
-        """One greedy completion of token ids, the prompt cache off so that each request stands alone."""
-        body = {"prompt": prompt_ids, "n_predict": max_new_tokens, "temperature": 0.0, "seed": seed}
-        body |= {"cache_prompt": False, "return_tokens": True, "stream": False}
+    def complete(
+        self, prompt_ids: list[int], max_new_tokens: int, seed: int, temperature: float = 0.0
+    ) -> dict:
+        """One completion of token ids sampled as our eval samples, the prompt cache off so that each
+        request stands alone."""
+        body = {"prompt": prompt_ids, "n_predict": max_new_tokens, "temperature": temperature, "seed": seed}
+        body |= PLAIN_SAMPLING | {"cache_prompt": False, "return_tokens": True, "stream": False}
         return self._request("POST", "/completion", json=body).json()
 
 
@@ -183,13 +209,13 @@ class Request:
 
 
 def run_requests(
-    server: LlamaServer, prompts: list[list[int]], max_new_tokens: int, seed: int
+    server: LlamaServer, prompts: list[list[int]], max_new_tokens: int, seed: int, temperature: float = 0.0
 ) -> list[Request]:
     """Each prompt in turn (one slot: the step counter's change is that request's steps)."""
     requests = []
     before = server.steps()
     for ids in prompts:
-        answer = server.complete(ids, max_new_tokens, seed)
+        answer = server.complete(ids, max_new_tokens, seed, temperature)
         after = server.steps()
         timings = answer["timings"]
         requests.append(
@@ -218,12 +244,13 @@ def tokens_per_second(requests: list[Request]) -> float:
     return 1000 * sum(r.predicted_n for r in requests) / ms if ms else math.nan
 
 
-def summarize(drafted: list[Request], plain: list[Request]) -> dict:
-    """The report's figures from both runs over the same prompts."""
+def summarize(drafted: list[Request], plain: list[Request], greedy: bool = True) -> dict:
+    """The report's figures from both runs over the same prompts; when greedy, how many completions
+    with the drafter are plain decoding's (all, if the engine's speculative decoding is lossless)."""
     accepted, proposed = sum(r.accepted for r in drafted), sum(r.drafted for r in drafted)
     steps = sum(r.steps for r in drafted)
     with_drafter, without = tokens_per_second(drafted), tokens_per_second(plain)
-    return {
+    report = {
         "tau": _mean([r.tau for r in drafted]),
         "tau_pooled": 1 + accepted / steps if steps else math.nan,
         "tau_per_request": [None if math.isnan(r.tau) else r.tau for r in drafted],
@@ -234,9 +261,11 @@ def summarize(drafted: list[Request], plain: list[Request]) -> dict:
         "tokens_per_s_drafter": with_drafter,
         "tokens_per_s_plain": without,
         "speedup": with_drafter / without,
-        "identical_to_plain": sum(d.tokens == p.tokens for d, p in zip(drafted, plain, strict=True)),
         "requests": len(drafted),
     }
+    if greedy:
+        report["identical_to_plain"] = sum(d.tokens == p.tokens for d, p in zip(drafted, plain, strict=True))
+    return report
 
 
 def engine_check(
@@ -248,15 +277,54 @@ def engine_check(
     opts: ServerOptions,
     log_dir: Path,
     seed: int = 0,
+    temperature: float = 0.0,
 ) -> dict:
     """Serve target + drafter, then the target alone, over `prompts` (token ids); the report as a dict."""
     runs = {}
     for name, draft in (("dflash", drafter), ("plain", None)):
         with LlamaServer(server, target, draft, log_dir / f"llama-server.{name}.log", opts) as s:
-            runs[name] = run_requests(s, prompts, max_new_tokens, seed)
-    report = summarize(runs["dflash"], runs["plain"])
+            runs[name] = run_requests(s, prompts, max_new_tokens, seed, temperature)
+    report = summarize(runs["dflash"], runs["plain"], greedy=temperature <= 0)
     report["tau_definition"] = TAU_DEFINITION
     report["settings"] = {"server": str(server), "target": str(target), "drafter": str(drafter)}
-    report["settings"] |= {"max_new_tokens": max_new_tokens, "seed": seed, **asdict(opts)}
+    report["settings"] |= {"max_new_tokens": max_new_tokens, "temperature": temperature, "seed": seed}
+    report["settings"] |= asdict(opts)
     report["completions"] = {name: [r.text for r in rs] for name, rs in runs.items()}
     return report
+
+
+def comparison_problems(eval_report: dict, prompts: Path, num_prompts: int, settings: dict) -> list[str]:
+    """Where a `flashdraft eval` report did not decode what the engine decodes: another prompts file or
+    another count of its prompts (so other prompts or another order), or other `settings` (the eval
+    report's keys max_new_tokens, temperature, thinking, block_size)."""
+    ours = eval_report.get("settings") or {}
+    problems = []
+    theirs = ours.get("prompts")
+    if theirs is None or not Path(theirs).is_file() or not os.path.samefile(theirs, prompts):
+        problems.append(f"prompts: the eval read {theirs}, this check reads {prompts}")
+    if ours.get("num_prompts") != num_prompts:
+        problems.append(
+            f"prompts: the eval decoded the first {ours.get('num_prompts')}, this check {num_prompts}"
+        )
+    problems += [
+        f"{k}: the eval's {ours.get(k)}, this check's {v}" for k, v in settings.items() if ours.get(k) != v
+    ]
+    return problems
+
+
+def beside_eval(engine: dict, eval_report: dict) -> dict:
+    """Our DFlash tau (and the reference package's, if the eval ran it) beside the engine's, per prompt
+    and as means over the prompts that every column measured; `engine_vs_ours` = engine / ours - 1."""
+    columns = {"ours": eval_report["dflash"]["tau_per_sample"]}
+    if "reference" in eval_report:
+        columns["reference"] = eval_report["reference"]["tau_per_sample"]
+    columns["engine"] = engine["tau_per_request"]
+    rows = [dict(zip(columns, taus, strict=True)) for taus in zip(*columns.values(), strict=True)]
+    measured = [r for r in rows if all(v is not None and not math.isnan(v) for v in r.values())]
+    means = {name: _mean([r[name] for r in measured]) for name in columns}
+    return {
+        "tau": means,
+        "engine_vs_ours": means["engine"] / means["ours"] - 1 if measured else math.nan,
+        "prompts_measured": len(measured),
+        "per_prompt": rows,
+    }
