@@ -68,6 +68,22 @@ def test_gguf_export_has_the_names_and_metadata_llama_cpp_reads(drafter_and_file
     assert np.array_equal(np.asarray(tensors["enc.output_norm.weight"].data), norm)
 
 
+@pytest.mark.parametrize("kind, tol", [("f32", 0.0), ("f16", 1e-3), ("q8_0", 1e-2)])
+def test_gguf_export_writes_the_matrices_in_the_type_asked(drafter_and_files, tmp_path, kind, tol):
+    drafter, ckpt, target = drafter_and_files
+    out = export_checkpoint(ckpt, "gguf", tmp_path / f"{kind}.gguf", str(target), gguf_type=kind)
+    reader = gguf.GGUFReader(out)
+    qtype = getattr(gguf.GGMLQuantizationType, kind.upper())
+    tensors = {t.name: t for t in reader.tensors}
+    assert {t.tensor_type for t in tensors.values() if len(t.shape) > 1} == {qtype}
+    assert {t.tensor_type for t in tensors.values() if len(t.shape) == 1} == {gguf.GGMLQuantizationType.F32}
+    fc = gguf.quants.dequantize(tensors["fc.weight"].data, qtype)
+    weight = drafter.fc.weight.detach().to(torch.bfloat16).float().numpy()  # the checkpoint holds bf16
+    assert np.abs(fc.reshape(weight.shape) - weight).max() <= tol * np.abs(weight).max()
+    file_type = reader.fields["general.file_type"].contents()
+    assert file_type == {"f32": 0, "f16": 1, "q8_0": 7}[kind]  # llama.cpp's LLAMA_FTYPE_ALL_F32, ...
+
+
 def test_gguf_export_refuses_a_target_or_option_llama_cpp_cannot_serve(drafter_and_files, tmp_path):
     _, ckpt, _ = drafter_and_files
     write_target_gguf(tmp_path / "other.gguf", layers=8, hidden=48)
@@ -75,6 +91,8 @@ def test_gguf_export_refuses_a_target_or_option_llama_cpp_cannot_serve(drafter_a
         export_checkpoint(ckpt, "gguf", tmp_path / "d.gguf", str(tmp_path / "other.gguf"))
     with pytest.raises(ValueError, match=r"the \.gguf file llama-server serves"):
         export_checkpoint(ckpt, "gguf", tmp_path / "d.gguf", str(tmp_path))
+    with pytest.raises(ValueError, match="tensor type 'q4'"):
+        export_checkpoint(ckpt, "gguf", tmp_path / "d.gguf", str(tmp_path / "target.gguf"), gguf_type="q4")
     assert not (tmp_path / "d.gguf").exists()
 
 

@@ -153,6 +153,9 @@ def export_cmd(
         help="speculators: the verifier's hub id or path; gguf: the target's .gguf file, or its Hugging Face "
         "directory, converted to a .gguf next to --out (default: the target the checkpoint records)",
     ),
+    gguf_type: str = typer.Option(
+        "bf16", help="gguf: the drafter's matrices as bf16 (llama.cpp's converter), f32, f16 or q8_0"
+    ),
 ) -> None:
     """Validate a checkpoint and write it in an engine's layout: config.json + model.safetensors, bf16,
     or one GGUF file for llama.cpp."""
@@ -166,7 +169,7 @@ def export_cmd(
             if str(served) != verifier:
                 typer.echo(f"target {verifier} converted for llama-server: {served}")
             verifier = str(served)
-        path = export_checkpoint(ckpt, fmt, out, verifier)
+        path = export_checkpoint(ckpt, fmt, out, verifier, gguf_type)
     except (ValueError, OSError) as e:
         _fail(str(e))
     typer.echo(f"exported {fmt} checkpoint to {path}")

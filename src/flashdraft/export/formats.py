@@ -275,10 +275,14 @@ def verifier_architectures(verifier: str) -> list[str]:
 
 
 def export_checkpoint(
-    ckpt_dir: str | Path, fmt: str, out_dir: str | Path, verifier: str | None = None
+    ckpt_dir: str | Path,
+    fmt: str,
+    out_dir: str | Path,
+    verifier: str | None = None,
+    gguf_type: str = "bf16",
 ) -> Path:
     """Validate a z-lab checkpoint and write it as `fmt` into out_dir (zlab, speculators) or the file
-    out_dir (gguf: llama.cpp's DFlash drafter), weights in bf16.
+    out_dir (gguf: llama.cpp's DFlash drafter), weights in bf16 (gguf: `gguf_type`, TENSOR_TYPES).
 
     verifier: the target's hub id or path, recorded in the speculators config (required there); for gguf,
     the target's .gguf file, whose tokenizer the drafter's file takes.
@@ -291,7 +295,7 @@ def export_checkpoint(
             raise ValueError(
                 "the gguf export takes its tokenizer from the target: give the target's .gguf file"
             )
-        return write_gguf_drafter(cfg, weights, verifier, out_dir)
+        return write_gguf_drafter(cfg, weights, verifier, out_dir, gguf_type)
     if fmt == "zlab":
         ids = cfg["dflash_config"]["target_layer_ids"]
         out_cfg = {**cfg, "torch_dtype": "bfloat16", "eagle_aux_hidden_state_layer_ids": [i + 1 for i in ids]}

@@ -174,7 +174,7 @@ def _add_rope(writer: gguf.GGUFWriter, rope: dict) -> None:
     writer.add_rope_freq_base(rope["rope_theta"])
 
 
-def _add_shape(writer: gguf.GGUFWriter, cfg: dict) -> None:
+def _add_shape(writer: gguf.GGUFWriter, cfg: dict, file_type: gguf.LlamaFileType) -> None:
     writer.add_block_count(cfg["num_hidden_layers"])
     writer.add_context_length(cfg["max_position_embeddings"])
     writer.add_embedding_length(cfg["hidden_size"])
@@ -187,7 +187,7 @@ def _add_shape(writer: gguf.GGUFWriter, cfg: dict) -> None:
     writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     writer.add_key_length(cfg["head_dim"])
     writer.add_value_length(cfg["head_dim"])
-    writer.add_file_type(gguf.LlamaFileType.MOSTLY_BF16)
+    writer.add_file_type(file_type)
 
 
 def _add_dflash(writer: gguf.GGUFWriter, cfg: dict, target: TargetGGUF) -> None:
@@ -222,24 +222,45 @@ def _add_dflash(writer: gguf.GGUFWriter, cfg: dict, target: TargetGGUF) -> None:
         writer.add_rope_dimension_sections([cfg["head_dim"] // 2, 0, 0, 0])
 
 
-def _add_tensors(writer: gguf.GGUFWriter, weights: dict[str, torch.Tensor]) -> None:
+# The drafter's matrices in the GGUF: bf16 as llama.cpp's converter writes them (the default), or f32, f16,
+# q8_0 (llama.cpp's 8-bit blocks of 32); 1-D tensors and the convolutions' kernels stay f32 in every case.
+TENSOR_TYPES = {
+    "bf16": (gguf.GGMLQuantizationType.BF16, gguf.LlamaFileType.MOSTLY_BF16),
+    "f32": (gguf.GGMLQuantizationType.F32, gguf.LlamaFileType.ALL_F32),
+    "f16": (gguf.GGMLQuantizationType.F16, gguf.LlamaFileType.MOSTLY_F16),
+    "q8_0": (gguf.GGMLQuantizationType.Q8_0, gguf.LlamaFileType.MOSTLY_Q8_0),
+}
+
+
+def _add_tensors(writer: gguf.GGUFWriter, weights: dict[str, torch.Tensor], tensor_type: str) -> None:
     """In the converter's order (the safetensors file's, sorted by name) and types (f32 for 1-D tensors and
-    names without `.weight`, bf16 for the rest)."""
+    names without `.weight`, `tensor_type` for the rest)."""
+    qtype = TENSOR_TYPES[tensor_type][0]
     for name in sorted(weights):
         tensor, gguf_name = weights[name].detach().cpu(), gguf_tensor_name(name)
-        if tensor.ndim == 1 or not gguf_name.endswith(".weight"):
+        if tensor.ndim == 1 or not gguf_name.endswith(".weight") or qtype == gguf.GGMLQuantizationType.F32:
             writer.add_tensor(gguf_name, tensor.float().numpy())
-        else:
+        elif qtype == gguf.GGMLQuantizationType.BF16:
             bits = tensor.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
-            writer.add_tensor(gguf_name, bits, raw_dtype=gguf.GGMLQuantizationType.BF16)
+            writer.add_tensor(gguf_name, bits, raw_dtype=qtype)
+        elif qtype == gguf.GGMLQuantizationType.F16:
+            writer.add_tensor(gguf_name, tensor.to(torch.float16).numpy())
+        else:
+            data = gguf.quants.quantize(tensor.float().numpy(), qtype)
+            writer.add_tensor(gguf_name, data, raw_dtype=qtype)
 
 
 def write_gguf_drafter(
-    cfg: dict, weights: dict[str, torch.Tensor], target: str | Path, out: str | Path
+    cfg: dict,
+    weights: dict[str, torch.Tensor],
+    target: str | Path,
+    out: str | Path,
+    tensor_type: str = "bf16",
 ) -> Path:
     """Write a validated z-lab drafter (config, tensors) as llama.cpp's DFlash GGUF at `out`.
 
-    target: the target's .gguf file (tokenizer and shape come from it). ValueError lists every problem.
+    target: the target's .gguf file (tokenizer and shape come from it); tensor_type: the matrices' type
+    (TENSOR_TYPES). ValueError lists every problem.
     """
     out = Path(out)
     if out.exists():
@@ -248,16 +269,24 @@ def write_gguf_drafter(
         raise ValueError(f"{out}: the gguf export writes one file; name it *{GGUF_SUFFIX}")
     target_file = TargetGGUF(target)
     problems = serving_problems(cfg) + target_file.problems(cfg)
+    if tensor_type not in TENSOR_TYPES:
+        problems.append(f"tensor type {tensor_type!r} is not one of {', '.join(TENSOR_TYPES)}")
+    elif tensor_type == "q8_0":
+        problems += [
+            f"{name}: rows of {t.shape[-1]} do not split into q8_0's blocks of 32"
+            for name, t in weights.items()
+            if t.ndim > 1 and gguf_tensor_name(name).endswith(".weight") and t.shape[-1] % 32
+        ]
     if problems:
         raise ValueError("llama.cpp cannot serve this drafter:\n  " + "\n  ".join(problems))
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".tmp-{out.name}")
     writer = gguf.GGUFWriter(tmp, ARCH)
-    _add_tensors(writer, weights)
+    _add_tensors(writer, weights, tensor_type)
     writer.add_type(gguf.GGUFType.MODEL)
     total = sum(math.prod(t.shape) for t in weights.values())
     writer.add_size_label(gguf.size_label(total, total, 0, 0))
-    _add_shape(writer, cfg)
+    _add_shape(writer, cfg, TENSOR_TYPES[tensor_type][1])
     _add_dflash(writer, cfg, target_file)
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
     _add_tokenizer(writer, target_file, cfg["dflash_config"]["mask_token_id"])
