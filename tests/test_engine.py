@@ -259,6 +259,45 @@ def test_an_hf_target_in_llama_server_tokenizes_decodes_and_samples_as_transform
     assert (picked / probs.max(-1).values).min() < 0.05  # a token min_p 0.05 would have cut
 
 
+@pytest.mark.parametrize("stored", ["lm_head.weight", "model.embed_tokens.weight"])
+def test_a_target_with_tied_embeddings_serves_its_one_matrix_at_both_ends(
+    llama_server, tiny_tokenizer, tmp_path, stored
+):
+    """SmolLM2 ties its lm_head to its embedding, and a directory may store the matrix under either name:
+    the GGUF holds it as token_embd (llama.cpp's lm_head then too) and greedy decoding is transformers'."""
+    from safetensors.torch import load_file, save_file
+    from transformers import Qwen3ForCausalLM
+
+    from flashdraft.demo.tiny import build_tiny_target, save_target
+    from flashdraft.eval.engine import LlamaServer, ServerOptions
+    from flashdraft.export.gguf_target import served_target
+
+    torch.manual_seed(0)
+    config = build_tiny_target(tiny_tokenizer).config
+    config.tie_word_embeddings = True
+    model = Qwen3ForCausalLM(config).eval()
+    with torch.no_grad():
+        model.lm_head.weight.normal_(0.0, 0.5)  # tied: the embedding too
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    hf = save_target(model, tiny_tokenizer, tmp_path / "tied")
+    weights = load_file(hf / "model.safetensors")
+    weights.pop("lm_head.weight", None)
+    weights.pop("model.embed_tokens.weight", None)
+    save_file(weights | {stored: model.lm_head.weight.detach().clone()}, hf / "model.safetensors")
+    prompt = tiny_tokenizer("def add(a, b):", add_special_tokens=False).input_ids
+    with LlamaServer(
+        llama_server,
+        served_target(hf, tmp_path),
+        None,
+        tmp_path / "server.log",
+        ServerOptions(threads=1, ctx_size=128),
+    ) as server:
+        greedy = server.complete(prompt, 24, seed=0)["tokens"]
+    with torch.no_grad():
+        ours = model.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False)[0, len(prompt) :]
+    assert greedy == ours.tolist()
+
+
 # the Split regexes of Qwen2/Qwen3's and Llama 3's tokenizer.json, with the BPE's ignore_merges
 SPLITS = {
     "qwen2": (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"

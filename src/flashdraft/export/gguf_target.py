@@ -248,6 +248,14 @@ def _tensor_plan(weights: _Weights, cfg: dict, arch: gguf.MODEL_ARCH) -> dict[st
             plan[name] = mapped
     if unknown:
         raise ValueError(f"tensors llama.cpp's {arch.name.lower()} graph has no place for: {unknown[:5]}")
+    if cfg.get("tie_word_embeddings"):
+        # one matrix for both ends, stored under either name: llama.cpp reads it as token_embd and, with
+        # no output tensor, uses it for the lm_head too
+        by_gguf = {v: k for k, v in plan.items()}
+        kept = by_gguf.get("token_embd.weight") or by_gguf.get("output.weight")
+        plan = {k: v for k, v in plan.items() if v not in ("token_embd.weight", "output.weight")}
+        if kept is not None:
+            plan[kept] = "token_embd.weight"
     return plan
 
 
