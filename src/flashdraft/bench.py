@@ -246,6 +246,7 @@ def run_bench(
     profile: Path | None = None,
     target_attention: str = "auto",
     documents: int = 1,
+    architecture: str = "dflash",
 ) -> BenchResult | None:
     """One process, or one rank of `flashdraft bench --nproc N` (under torchrun): every rank runs
     this; the main rank returns the result (throughput summed over drafter ranks, MFU over every
@@ -261,6 +262,7 @@ def run_bench(
             "num_anchors": anchors,
             "drafter.block_size": block_size,
             "drafter.num_layers": drafter_layers,
+            "drafter.architecture": architecture,
             "drafter.num_taps": min(5, tcfg.num_hidden_layers - 3),
             "max_steps": warmup + steps,
             "recompute_logits": recompute_logits,
@@ -346,6 +348,7 @@ def run_bench(
             "experts": _experts(trainer.target.config),
             "packing": trainer.target.packing,
             "drafter_layers": drafter_layers,
+            "architecture": architecture,
             "target_layers_run": kept,
         },
         layout=str(topo.layout),

@@ -323,6 +323,7 @@ def bench(
         "qwen3-30b-a3b, else 1)",
     ),
     drafter_layers: int = typer.Option(5, help="drafter layers"),
+    architecture: str = typer.Option("dflash", help="the drafter's: dflash or dflash2 (default sizes)"),
     documents: int = typer.Option(
         1, help="documents packed in a row (several: the target keeps them apart, as with real data)"
     ),
@@ -387,6 +388,7 @@ def bench(
             profile=profile,
             target_attention=target_attention,
             documents=documents,
+            architecture=architecture,
         )
     except ValueError as e:
         _fail(str(e))
