@@ -469,7 +469,7 @@ def test_init_from_a_dflash_checkpoint_trains_a_dflash2_drafter_that_starts_as_i
 
 
 def test_a_dflash2_drafter_trains_through_the_training_step(tmp_path, tiny_target_dir, token_data_dir):
-    """The base logits' loss as for DFlash: the convolutions learn (the selector is not in the loss yet)."""
+    """The base logits' loss as for DFlash: the convolutions learn."""
     cfg = resolve_config("tiny_cpu", **RUN, **RUN_DFLASH2, **{"drafter.block_size": 8})
     trainer = build_trainer(cfg, tiny_target_dir, token_data_dir, tmp_path / "run", "cpu")
     assert trainer.drafter.architecture == "dflash2"

@@ -119,6 +119,37 @@ class DrafterSpec(_Strict):
         return self
 
 
+# selector.alpha of a dflash2 drafter when the config leaves it unset
+DFLASH2_SELECTOR_ALPHA = 0.5
+
+
+class SelectorLossSpec(_Strict):
+    """How a DFlash2 drafter's candidate selector trains (docs/dflash.md, DFlash2): beside the base loss
+    on the logits, a cross-entropy over each draft position's top-k candidates scored as the selector
+    scores them, with the true previous token as predecessor and the label as the class."""
+
+    alpha: float | None = Field(
+        None,
+        ge=0,
+        description=f"weight of the selector's term in the loss; unset: {DFLASH2_SELECTOR_ALPHA} for a "
+        "dflash2 drafter (a dflash drafter has no selector: only 0)",
+    )
+    warmup_steps: int = Field(0, ge=0, description="optimizer steps at the start with the term's weight 0")
+    ramp_steps: int = Field(
+        0, ge=0, description="optimizer steps after warmup_steps in which the weight rises linearly to alpha"
+    )
+    gold: Literal["inject", "skip"] = Field(
+        "inject",
+        description="a position whose label is not among the top-k: inject, the label replaces the lowest "
+        "candidate in the loss (not in decoding); skip, the position has no selector loss",
+    )
+    stop_gradient: bool = Field(
+        True,
+        description="the term trains the selector's parameters only: the logits and the drafter's hidden "
+        "states it reads are detached, so the rest of the drafter learns from the base loss alone",
+    )
+
+
 class DataSpec(_Strict):
     seq_len: int = Field(3072, ge=16, description="tokens per packed row (fixed shape)")
     rows_per_batch: int = Field(1, ge=1, description="packed rows per micro-batch")
@@ -168,6 +199,7 @@ class TrainConfig(_Strict):
         "the target's next-token distribution there (its final hidden state and lm_head at label positions "
         "only; every target layer runs); 0: hard-label CE",
     )
+    selector: SelectorLossSpec = SelectorLossSpec()
     init_from: str | None = Field(
         None,
         description="start from the z-lab drafter in this directory (ours or a released one): its shape "
@@ -248,6 +280,14 @@ class TrainConfig(_Strict):
     def _check(self) -> TrainConfig:
         if self.drafter.target_layer_ids is not None and not self.drafter.target_layer_ids:
             raise ValueError("drafter.target_layer_ids is empty")
+        if self.drafter.architecture == "dflash" and self.init_from is None:  # init_from may make it dflash2
+            defaults = SelectorLossSpec.model_fields
+            changed = [k for k, v in self.selector if v != defaults[k].default and (k, v) != ("alpha", 0)]
+            if changed:
+                raise ValueError(
+                    f"selector.{changed[0]} trains a DFlash2 drafter's candidate selector, which a dflash "
+                    "drafter has not: set drafter.architecture to dflash2 (or leave it at its default)"
+                )
         if self.data.seq_len < self.drafter.block_size:
             raise ValueError("data.seq_len must be at least drafter.block_size")
         if self.eval_every and not self.eval_prompts:

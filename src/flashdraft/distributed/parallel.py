@@ -34,11 +34,7 @@ def parallelize(drafter: nn.Module, topo: Topology, fsdp: bool = False) -> nn.Mo
     if topo.num_drafters == 1 or not topo.is_drafter:
         return drafter
     if not fsdp:
-        # the candidate selector of a DFlash2 drafter has no loss yet: DDP must not wait for its gradients
-        unused = getattr(drafter, "dflash2", None) is not None
-        return DistributedDataParallel(
-            drafter, process_group=topo.drafter_group, find_unused_parameters=unused
-        )
+        return DistributedDataParallel(drafter, process_group=topo.drafter_group)
     if topo.device.type == "cuda" and topo.backend == "gloo":
         raise ValueError(
             "--fsdp on GPUs needs NCCL: gloo cannot all-gather CUDA tensors (use --backend auto, one GPU "

@@ -102,10 +102,10 @@ def step_flops(
     """Model FLOPs of one row (docs/perf.md): target forward to the last tapped layer, drafter
     forward + backward over `positions` query positions, lm_head forward + input gradient, and the
     per-context-token fc and context K/V (forward + backward). `head_positions`: query positions
-    that go through the lm_head (slot 0 of each block does not). `document`: the length of the
-    documents packed in the row (default the whole row): attention runs within a document, so a
-    query's keys are counted in its own document. A mixture-of-experts target counts the experts
-    each token runs."""
+    that go through the lm_head (slot 0 of each block does not) and, in DFlash2, the selector.
+    `document`: the length of the documents packed in the row (default the whole row): attention runs
+    within a document, so a query's keys are counted in its own document. A mixture-of-experts target
+    counts the experts each token runs."""
     c, dc = target_cfg.get_text_config(), drafter_cfg
     span = document or seq_len
     qd = c.num_attention_heads * (getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads)
@@ -118,6 +118,14 @@ def step_flops(
     keys = [min(window, span / 2) if k == "sliding_attention" else span / 2 for k in kinds]
     per_pos += 3 * 4 * draft_qd * sum(keys)  # keys a query sees, on average: half its document, or the window
     head = head_positions * 4 * c.hidden_size * c.vocab_size
+    d2 = getattr(dc, "dflash2", None)
+    if d2:
+        # each layer's two convolutions project a kernel from the hidden state (their taps are not
+        # matmuls); the selector projects each draft position's hidden state and scores k candidates
+        # and the label given the previous token
+        taps = 2 * d2["conv_kernel_size"] * (c.hidden_size // d2["conv_group_size"])
+        per_pos += 6 * dc.num_hidden_layers * 2 * c.hidden_size * taps
+        head += head_positions * 6 * d2["selector_rank"] * (c.hidden_size + d2["selector_top_k"] + 1)
     n_taps = len(dc.target_layer_ids)
     kv = 2 * c.hidden_size * dc.num_key_value_heads * dc.head_dim
     per_ctx = 6 * (n_taps * c.hidden_size * c.hidden_size + dc.num_hidden_layers * kv)

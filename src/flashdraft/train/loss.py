@@ -12,27 +12,78 @@ from the same chunk of logits. With `compiled`, torch.compile fuses what follows
 into a few passes over the bf16 logits. Eager, those element-wise kernels took 15 ms of the 232 ms
 Qwen3-8B step on the H200 and the fp32 logits and log-softmax kept for the backward 10 GiB; compiled,
 4 ms (`flashdraft bench --profile`, docs/results.md).
+
+A DFlash2 drafter adds its candidate selector's term (`selector_loss`): each chunk also returns its
+logits' top-k, so the term is computed afterwards on [positions, k] tensors and no [positions, vocab]
+tensor outlives its chunk.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal, NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from flashdraft.model.dflash2 import scale_and_cap
+from flashdraft.model.dflash2 import CandidateSelector, scale_and_cap
+
+# BlockLoss.selector's sums, in order: the base loss (weighted, without the selector's term); the
+# selector's cross-entropy and the weight it was counted with; label positions whose label is among
+# the top-k; the selector's teacher-forced hits; the acceptance length of its path summed over blocks
+SELECTOR_SUMS = (
+    "base_ce", "selector_ce", "selector_weight", "recalled", "selector_correct", "selector_accepted"
+)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class SelectorObjective:
+    """How DFlash2's candidate selector trains beside the base loss (docs/dflash.md, DFlash2): the
+    cross-entropy of its scores over each draft position's top-k candidates, with the true previous
+    token as predecessor (teacher forcing) and the label as the class, times `alpha`. alpha is 0 for
+    the first `warmup_steps` optimizer steps, then rises linearly to its value over `ramp_steps`.
+    gold: where the label is not among the top-k, `inject` puts it in the lowest candidate's place (in
+    the loss only); `skip` leaves the position out. stop_gradient: the term reaches the selector's own
+    parameters only, not the logits or the drafter's hidden states."""
+
+    alpha: float
+    warmup_steps: int = 0
+    ramp_steps: int = 0
+    gold: Literal["inject", "skip"] = "inject"
+    stop_gradient: bool = True
+
+    def alpha_at(self, step: int | None) -> float:
+        """The term's weight at optimizer step `step` (1-based); None, outside training: alpha."""
+        if step is None:
+            return self.alpha
+        ramped = step - self.warmup_steps
+        if ramped <= 0:
+            return 0.0
+        return self.alpha * min(1.0, ramped / self.ramp_steps) if self.ramp_steps else self.alpha
+
+
+class SelectorRows(NamedTuple):
+    """Per draft position: the selector's loss, the weight it counts with, whether the label is among
+    the top-k, whether the selector's pick (teacher-forced, from the top-k as served) is the label."""
+
+    ce: torch.Tensor
+    weight: torch.Tensor
+    recalled: torch.Tensor
+    hits: torch.Tensor
 
 
 @dataclass
 class BlockLoss:
-    weighted_ce: torch.Tensor  # sum over positions of w * loss (CE, or CE and KL mixed; not normalised)
+    weighted_ce: torch.Tensor  # what backward takes: sum over positions of w * loss (CE, or CE and KL
+    # mixed), plus alpha x the selector's weighted CE for DFlash2; not normalised
     correct: torch.Tensor  # [B] argmax hits per slot (label positions with loss mask only)
     counted: torch.Tensor  # [B] label positions per slot
     accepted: torch.Tensor  # sum over blocks of 1 + the run of correct slots from slot 1 on
     blocks: torch.Tensor  # blocks with at least one weighted label
     per_block: torch.Tensor | None = None  # [b * n] each block's acceptance length, 0 for an empty block
+    selector: torch.Tensor | None = None  # DFlash2: the sums SELECTOR_SUMS names, without gradient
+    selector_alpha: float | None = None  # DFlash2: the selector term's weight in weighted_ce
 
     @property
     def tau(self) -> torch.Tensor:
@@ -48,10 +99,12 @@ def _chunk_ce(
     distill: float = 0.0,
     scale: float = 1.0,
     softcap: float | None = None,
+    top_k: int = 0,
 ):
     """Per position: (1 - distill) x CE to the label + distill x KL(target || drafter), and the argmax.
     teacher: the target's final hidden state before each label (its next-token distribution there).
-    scale, softcap: the drafter's logits are scale_and_cap(h @ w_head^T) (DFlash2)."""
+    scale, softcap: the drafter's logits are scale_and_cap(h @ w_head^T) (DFlash2). top_k > 0: also the
+    top-k logits and their tokens [rows, k] and the label's logit [rows] (the selector's unary scores)."""
     logits = scale_and_cap((h @ w_head.t()).float(), scale, softcap)
     loss = F.cross_entropy(logits, labels, reduction="none")
     if teacher is not None and distill > 0:
@@ -59,6 +112,9 @@ def _chunk_ce(
             target_logp = F.log_softmax((teacher @ w_head.t()).float(), -1)
         kl = (target_logp.exp() * (target_logp - F.log_softmax(logits, -1))).sum(-1)
         loss = (1 - distill) * loss + distill * kl
+    if top_k:
+        top = logits.topk(top_k, dim=-1)
+        return loss, logits.argmax(-1), top.values, top.indices, logits.gather(-1, labels[:, None])[:, 0]
     return loss, logits.argmax(-1)
 
 
@@ -82,6 +138,52 @@ def dpace_weights(ce: torch.Tensor, weights: torch.Tensor, alpha: float = 0.5) -
     return w * (weights.sum() / w.sum().clamp(min=1e-30))
 
 
+def selector_loss(
+    selector: CandidateSelector,
+    h: torch.Tensor,
+    unary: torch.Tensor,
+    candidates: torch.Tensor,
+    label_logit: torch.Tensor,
+    labels: torch.Tensor,
+    previous: torch.Tensor,
+    weights: torch.Tensor,
+    gold: Literal["inject", "skip"] = "inject",
+    stop_gradient: bool = True,
+) -> SelectorRows:
+    """The selector's teacher-forced cross-entropy at each draft position (SelectorObjective).
+
+    h [rows, D] the drafter's hidden states; unary, candidates [rows, k] the top-k logits (sorted, the
+    best first) and their tokens; label_logit [rows] the label's logit; labels, previous [rows] the label
+    and the true token before it; weights [rows] the base loss's fixed weights. A candidate scores as
+    CandidateSelector.select scores it: its logit plus the pairwise score given the previous token."""
+    if stop_gradient:
+        h, unary, label_logit = h.detach(), unary.detach(), label_logit.detach()
+    gate = selector.hidden_projection(h)
+    scores = unary + selector.pairwise(gate, previous, candidates)  # what decoding chooses from
+    is_label = candidates == labels[:, None]
+    recalled = is_label.any(-1)
+    target = is_label.int().argmax(-1)
+    if gold == "inject":
+        label_score = label_logit + selector.pairwise(gate, previous, labels[:, None])[:, 0]
+        lowest = torch.where(recalled, scores[:, -1], label_score)
+        trained = torch.cat([scores[:, :-1], lowest[:, None]], dim=-1)
+        target = torch.where(recalled, target, scores.shape[-1] - 1)
+        weight = weights
+    else:
+        trained, weight = scores, weights * recalled
+    ce = F.cross_entropy(trained.float(), target, reduction="none")
+    pick = candidates.gather(-1, scores.detach().argmax(-1, keepdim=True))[:, 0]
+    live = weights > 0
+    return SelectorRows(ce, weight, recalled & live, (pick == labels) & live)
+
+
+def acceptance_lengths(hits: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """[blocks] 1 + the run of hits from slot 1 on, 0 for a block without a weighted label; hits and
+    weights [blocks, B-1]. A masked label (no loss) ends the run: decoding would stop at a turn's end."""
+    accepted = (1 + hits.cumprod(1).sum(1)).float()
+    return accepted * (weights > 0).any(1)
+
+
 def block_loss(
     hidden: torch.Tensor,
     lm_head_weight: torch.Tensor,
@@ -94,6 +196,9 @@ def block_loss(
     dpace: float | None = None,
     compiled: bool = False,
     logit_scale_and_cap: tuple[float, float | None] = (1.0, None),
+    selector: CandidateSelector | None = None,
+    selector_objective: SelectorObjective | None = None,
+    selector_alpha: float = 0.0,
 ) -> BlockLoss:
     """hidden [b, n*B, D] -> weighted CE over slots 1..B-1 (slot 0, the anchor, has no loss and
     no logits are computed for it).
@@ -106,6 +211,8 @@ def block_loss(
     dpace: the weights' slot decay is replaced by `dpace_weights` with this smoothing alpha (the
     positions with a weight keep one); None: the fixed weights. compiled: each chunk's loss through
     torch.compile (module docstring). logit_scale_and_cap: the drafter's (DFlashDrafter's property).
+    selector, selector_objective: a DFlash2 drafter's candidate selector and how it trains; its term,
+    times `selector_alpha`, joins weighted_ce (with the fixed weights, whatever `dpace` says).
     """
     b, n, bs = labels.shape
     h = hidden.view(b, n, bs, -1)[:, :, 1:].reshape(b * n * (bs - 1), -1)
@@ -116,18 +223,19 @@ def block_loss(
     slot = torch.arange(1, bs, device=hidden.device).repeat(b * n)
     counted = torch.zeros(bs, device=hidden.device).index_add_(0, slot, (w > 0).float())
     hits = torch.empty_like(y, dtype=torch.bool)
-    losses = []
+    losses, tops = [], []
     chunk_ce = _compiled_chunk_ce if compiled else _chunk_ce
+    top_k = selector.top_k if selector is not None else 0
     for start in range(0, h.shape[0], chunk_rows):
         sl = slice(start, start + chunk_rows)
         hc, yc, wc = h[sl], y[sl], w[sl]
         tc = teacher[sl] if teacher is not None else None
+        args = (hc, lm_head_weight, yc, tc, distill, *logit_scale_and_cap, top_k)
         if recompute and torch.is_grad_enabled() and hc.requires_grad:
-            ce, pred = checkpoint(
-                chunk_ce, hc, lm_head_weight, yc, tc, distill, *logit_scale_and_cap, use_reentrant=False
-            )
+            ce, pred, *top = checkpoint(chunk_ce, *args, use_reentrant=False)
         else:
-            ce, pred = chunk_ce(hc, lm_head_weight, yc, tc, distill, *logit_scale_and_cap)
+            ce, pred, *top = chunk_ce(*args)
+        tops.append(top)
         if dpace is not None:
             losses.append(ce)
         else:
@@ -138,9 +246,22 @@ def block_loss(
         w_dpace = dpace_weights(ce.detach().view(b * n, bs - 1), w.view(b * n, bs - 1), dpace)
         total = (ce * w_dpace.view(-1)).sum()
     correct.index_add_(0, slot, hits.float())
-    # a masked label (no loss) ends the run: speculative decoding would stop at a turn's end too
-    hits = hits.view(b * n, bs - 1)
-    accepted = (1 + hits.cumprod(1).sum(1)).float()
-    live = (w.view(b * n, bs - 1) > 0).any(1)
-    per_block = accepted * live
-    return BlockLoss(total, correct, counted, per_block.sum(), live.sum().float(), per_block)
+    per_block = acceptance_lengths(hits.view(b * n, bs - 1), w.view(b * n, bs - 1))
+    out = BlockLoss(total, correct, counted, per_block.sum(), (per_block > 0).sum().float(), per_block)
+    if selector is None:
+        return out
+    objective = selector_objective or SelectorObjective(selector_alpha)
+    unary, candidates, label_logit = (torch.cat(parts) for parts in zip(*tops, strict=True))
+    previous = labels[:, :, :-1].reshape(-1)  # slot 1's is the anchor token (labels' slot 0)
+    rows = selector_loss(
+        selector, h, unary, candidates, label_logit, y, previous, w, objective.gold, objective.stop_gradient
+    )
+    weighted = (rows.ce * rows.weight).sum()
+    # the selector's greedy path walked on its own picks: while they are right its previous token is the
+    # true one, so up to its first miss it picks as teacher-forced: its run is that of the hits
+    accepted = acceptance_lengths(rows.hits.view(b * n, bs - 1), w.view(b * n, bs - 1))
+    sums = [total, weighted, rows.weight.sum(), rows.recalled.sum(), rows.hits.sum(), accepted.sum()]
+    out.selector = torch.stack([x.detach().float() for x in sums])
+    out.selector_alpha = selector_alpha
+    out.weighted_ce = total + selector_alpha * weighted
+    return out

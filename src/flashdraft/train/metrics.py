@@ -12,6 +12,8 @@ from pathlib import Path
 
 import torch
 
+from flashdraft.train.loss import SELECTOR_SUMS
+
 
 class MetricsLogger:
     def __init__(
@@ -47,6 +49,11 @@ class MetricsLogger:
             f"draft {m['draft_pos_s']:.0f} pos/s mfu {100 * m.get('mfu', 0):.1f}% "
             f"mem {m.get('mem_gib', 0):.1f}GiB eta {eta:.0f}s"
             + (f" tau {m['tau']:.2f}" if "tau" in m else "")
+            + (
+                f" sel_acc {m['selector_acc']:.3f} sel_tau {m['selector_tau_train']:.2f}"
+                if "selector_acc" in m
+                else ""
+            )
         )
 
     def log(self, m: dict) -> None:
@@ -115,6 +122,8 @@ class StepStats:
     weight_sum: torch.Tensor | None = None
     grad_norm: torch.Tensor | None = None
     ctx_tokens: int | torch.Tensor = 0  # a device tensor when the batch arrived from a target rank
+    selector: torch.Tensor | None = None  # DFlash2: BlockLoss.selector's sums
+    selector_alpha: float | None = None
 
     @classmethod
     def zeros(cls, block_size: int, device) -> StepStats:
@@ -129,13 +138,39 @@ class StepStats:
         self.accepted += out.accepted
         self.blocks += out.blocks
         self.draft_positions += (mb.blocks.weights > 0).sum()
+        if out.selector is not None:
+            self.selector = out.selector if self.selector is None else self.selector + out.selector
+            self.selector_alpha = out.selector_alpha
 
     def to_metrics(self) -> dict:
         acc = (self.correct / self.counted.clamp(min=1))[1:]
+        return (
+            {
+                "loss": float(self.loss_sum / self.weight_sum),
+                "acc_slot1": float(acc[0]),
+                "acc_mean": float(self.correct[1:].sum() / self.counted[1:].sum().clamp(min=1)),
+                "acc_per_slot": [round(float(a), 4) for a in acc],
+                "tau_train": float(self.accepted / self.blocks.clamp(min=1)),
+            }
+            | ({"grad_norm": float(self.grad_norm)} if self.grad_norm is not None else {})
+            | self.selector_metrics()
+        )
+
+    def selector_metrics(self) -> dict:
+        """DFlash2: `loss` is base_loss + selector_alpha x the selector's term (normalised by the step's
+        weight sum, as the base loss is); selector_loss is that term's mean over the positions it counts;
+        candidate_recall, the label positions whose label is among the top-k; selector_acc, those where
+        the selector picks the label given the true previous token (acc_mean is the argmax's);
+        selector_tau_train, its tau_train."""
+        if self.selector is None:
+            return {}
+        s = dict(zip(SELECTOR_SUMS, self.selector.tolist(), strict=True))
+        positions = max(float(self.counted[1:].sum()), 1.0)
         return {
-            "loss": float(self.loss_sum / self.weight_sum),
-            "acc_slot1": float(acc[0]),
-            "acc_mean": float(self.correct[1:].sum() / self.counted[1:].sum().clamp(min=1)),
-            "acc_per_slot": [round(float(a), 4) for a in acc],
-            "tau_train": float(self.accepted / self.blocks.clamp(min=1)),
-        } | ({"grad_norm": float(self.grad_norm)} if self.grad_norm is not None else {})
+            "base_loss": s["base_ce"] / float(self.weight_sum),
+            "selector_loss": s["selector_ce"] / max(s["selector_weight"], 1e-9),
+            "selector_alpha": self.selector_alpha,
+            "candidate_recall": s["recalled"] / positions,
+            "selector_acc": s["selector_correct"] / positions,
+            "selector_tau_train": s["selector_accepted"] / max(float(self.blocks), 1.0),
+        }

@@ -27,8 +27,9 @@ def autocast(device: torch.device):
 
 def sum_over_drafters_(stats: StepStats, topo: Topology) -> None:
     """Sum a step's loss and accuracy counts over the drafter ranks, in place."""
-    for t in (stats.loss_sum, stats.correct, stats.counted, stats.accepted, stats.blocks):
-        topo.drafter_sum_(t)
+    for t in (stats.loss_sum, stats.correct, stats.counted, stats.accepted, stats.blocks, stats.selector):
+        if t is not None:
+            topo.drafter_sum_(t)
 
 
 def validate(

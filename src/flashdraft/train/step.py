@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from flashdraft.config import DFLASH2_SELECTOR_ALPHA, SelectorLossSpec
 from flashdraft.data.packing import PackedBatch
 from flashdraft.model.drafter import DFlashDrafter, Visibility
 from flashdraft.model.target import Target
@@ -19,7 +20,7 @@ from flashdraft.train.blocks import (
     row_generators,
     sample_anchors,
 )
-from flashdraft.train.loss import BlockLoss, block_loss
+from flashdraft.train.loss import BlockLoss, SelectorObjective, block_loss
 from flashdraft.train.timing import NULL_TIMER, PhaseTimer
 
 
@@ -32,6 +33,18 @@ class Kernels:
     recompute_logits: bool = True  # the loss recomputes the lm_head logits in backward
     distill: float = 0.0  # the loss's weight of KL to the target's distribution (0: hard-label CE)
     dpace: float | None = None  # D-PACE's smoothing alpha (loss.dpace_weights); None: fixed slot decay
+    selector: SelectorObjective | None = None  # how a DFlash2 drafter's selector trains; None: it does not
+
+
+def selector_objective(spec: SelectorLossSpec, drafter: DFlashDrafter) -> SelectorObjective | None:
+    """The selector's training term from the config's `selector` for this drafter: None for a DFlash
+    drafter, which has no selector."""
+    if drafter.dflash2 is None:
+        if spec.alpha:
+            raise ValueError(f"selector.alpha {spec.alpha}: a dflash drafter has no candidate selector")
+        return None
+    alpha = DFLASH2_SELECTOR_ALPHA if spec.alpha is None else spec.alpha
+    return SelectorObjective(alpha, spec.warmup_steps, spec.ramp_steps, spec.gold, spec.stop_gradient)
 
 
 @dataclass(frozen=True)
@@ -170,12 +183,14 @@ def micro_step_loss(
     mb: MicroBatch,
     kernels: Kernels = Kernels(),
     timer: PhaseTimer = NULL_TIMER,
+    step: int | None = None,
 ) -> BlockLoss:
     """Forward of one micro-batch; the caller normalises `weighted_ce` by the step's weight sum.
 
     Uses `mb.features` when a feature source already computed them (or received them from a
     target rank); otherwise runs the target here. `drafter` may be wrapped (DDP): only its
-    forward is called.
+    forward is called. step: the optimizer step this micro-batch trains (1-based), which sets the
+    selector term's weight (SelectorObjective.alpha_at); None outside training.
     """
     feats = mb.features
     if feats is None:
@@ -191,6 +206,7 @@ def micro_step_loss(
         hidden = drafter(block_embeds, mb.blocks.positions, None, vis, feats, mb.batch.position_ids)
     with timer("loss_forward"):
         teacher = teacher_rows(mb) if mb.teacher is not None and kernels.distill > 0 else None
+        objective = kernels.selector if core.dflash2 is not None else None
         return block_loss(
             hidden,
             target.lm_head.weight,
@@ -202,4 +218,7 @@ def micro_step_loss(
             dpace=kernels.dpace,
             compiled=kernels.compiled,
             logit_scale_and_cap=core.logit_scale_and_cap,
+            selector=core.candidate_selector if objective is not None else None,
+            selector_objective=objective,
+            selector_alpha=objective.alpha_at(step) if objective is not None else 0.0,
         )

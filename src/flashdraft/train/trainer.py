@@ -50,7 +50,7 @@ from flashdraft.train.flops import matmul_tflops, mfu, micro_batch_flops
 from flashdraft.train.metrics import MetricsLogger, StepStats, Window
 from flashdraft.train.probes import autocast, measure_tau, sum_over_drafters_, validate
 from flashdraft.train.state import Checkpointer, NonFiniteError, write_fingerprint
-from flashdraft.train.step import Kernels, StepSpec, micro_step_loss, target_features
+from flashdraft.train.step import Kernels, StepSpec, micro_step_loss, selector_objective, target_features
 from flashdraft.train.timing import NULL_TIMER, PhaseTimer
 
 
@@ -141,6 +141,7 @@ class Trainer:
                 cfg.recompute_logits,
                 cfg.distill,
                 cfg.dpace_alpha if cfg.position_weights == "dpace" else None,
+                selector_objective(cfg.selector, drafter),
             ),
             cfg.num_anchors,
             drafter.block_size,
@@ -240,7 +241,7 @@ class Trainer:
         for i, mb in enumerate(micro):
             with gradient_sync(self.model, enabled=i == len(micro) - 1):
                 with autocast(self.device):
-                    out = micro_step_loss(self.model, self.target, mb, self.spec.kernels, timer)
+                    out = micro_step_loss(self.model, self.target, mb, self.spec.kernels, timer, step)
                 with timer("backward"):
                     (out.weighted_ce * scale / weight_sum).backward()
             stats.add(out, mb)
