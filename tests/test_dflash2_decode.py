@@ -3,8 +3,6 @@ target's greedy output, the acceptance the reference package's, alike on fixed-s
 samples a path and each draft carries its q over the candidates, and the decoded tokens follow the
 target's distribution."""
 
-from collections import Counter
-
 import pytest
 import torch
 
@@ -15,7 +13,7 @@ from flashdraft.model.checkpoint import load_drafter, write_zlab
 from flashdraft.model.dflash2 import DFlash2Settings
 from flashdraft.model.target import Target, load_target
 from flashdraft.train.build import dflash2_from_dflash
-from test_eval_sampling import SAMPLED_RUNS, chi_square_p_value, expected_first_three
+from test_eval_sampling import SAMPLED_RUNS, chi_square_p_value, expected_first_three, sampled_first_three
 from test_eval_spec import tiny_setup
 
 # sizes for the tiny target (width 32, a vocabulary of 96)
@@ -143,13 +141,8 @@ def test_dflash2_sampled_paths_decode_the_targets_distribution(setup):
     s = setup
     prompt = s.prompts[0]
     expected = expected_first_three(s.model, prompt, SAMPLED_RUNS, temperature=1.0)
-    observed = Counter()
-    g = torch.Generator().manual_seed(0)
-    ids = torch.tensor([prompt])
-    accepted = 0
-    for _ in range(SAMPLED_RUNS):
-        out = generate(s.target, ids, 3, DFlashProposer(s.dflash2, s.target, 1.0, g), 8, 1.0, generator=g)
-        observed[tuple(out.tokens)] += 1
-        accepted += sum(a - 1 for a in out.accept_lengths)
+    observed, accepted = sampled_first_three(
+        s.target, prompt, lambda g: DFlashProposer(s.dflash2, s.target, 1.0, g)
+    )
     assert accepted > SAMPLED_RUNS // 10  # both the accepting and the residual path ran
     assert chi_square_p_value(observed, expected, SAMPLED_RUNS) > 1e-3

@@ -149,6 +149,20 @@ class TopCandidates(DFlashProposer):
 SAMPLED_RUNS = 600
 
 
+def sampled_first_three(target, prompt: list[int], proposer, runs: int = SAMPLED_RUNS) -> tuple[Counter, int]:
+    """Counts of the first three new tokens over `runs` seeded T = 1 decodings with `proposer(generator)`,
+    and the drafts accepted in all of them."""
+    observed = Counter()
+    g = torch.Generator().manual_seed(0)
+    ids = torch.tensor([prompt])
+    accepted = 0
+    for _ in range(runs):
+        out = generate(target, ids, 3, proposer(g), 8, 1.0, generator=g)
+        observed[tuple(out.tokens)] += 1
+        accepted += sum(a - 1 for a in out.accept_lengths)
+    return observed, accepted
+
+
 @pytest.mark.parametrize("proposer", [DFlashProposer, TopCandidates], ids=["vocabulary", "candidates"])
 def test_sampled_drafts_decode_the_targets_distribution(proposer):
     """At T = 1 the first three new tokens of speculative decoding with sampled drafts (q over the
@@ -156,14 +170,9 @@ def test_sampled_drafts_decode_the_targets_distribution(proposer):
     s = tiny_setup()
     prompt = s.prompts[0]
     expected = expected_first_three(s.model, prompt, SAMPLED_RUNS, temperature=1.0)
-    observed = Counter()
-    g = torch.Generator().manual_seed(0)
-    ids = torch.tensor([prompt])
-    accepted = 0
-    for _ in range(SAMPLED_RUNS):
-        out = generate(s.target, ids, 3, proposer(s.trained, s.target, 1.0, g), 8, 1.0, generator=g)
-        observed[tuple(out.tokens)] += 1
-        accepted += sum(a - 1 for a in out.accept_lengths)
+    observed, accepted = sampled_first_three(
+        s.target, prompt, lambda g: proposer(s.trained, s.target, 1.0, g)
+    )
     assert accepted > SAMPLED_RUNS // 10  # both the accepting and the residual path ran
     p = chi_square_p_value(observed, expected, SAMPLED_RUNS)
     assert p > 1e-3, p

@@ -174,13 +174,18 @@ def _add_rope(writer: gguf.GGUFWriter, rope: dict) -> None:
     writer.add_rope_freq_base(rope["rope_theta"])
 
 
-def _add_shape(writer: gguf.GGUFWriter, cfg: dict, file_type: gguf.LlamaFileType) -> None:
+def add_layer_shape(writer: gguf.GGUFWriter, cfg: dict) -> None:
+    """The shape keys of an HF config every llama.cpp architecture reads, in the converter's order."""
     writer.add_block_count(cfg["num_hidden_layers"])
     writer.add_context_length(cfg["max_position_embeddings"])
     writer.add_embedding_length(cfg["hidden_size"])
     writer.add_feed_forward_length(cfg["intermediate_size"])
     writer.add_head_count(cfg["num_attention_heads"])
     writer.add_head_count_kv(cfg["num_key_value_heads"])
+
+
+def _add_shape(writer: gguf.GGUFWriter, cfg: dict, file_type: gguf.LlamaFileType) -> None:
+    add_layer_shape(writer, cfg)
     if cfg.get("is_causal") is False:  # where `TextModel.set_gguf_parameters` writes it (DFlashModel again)
         writer.add_causal_attention(False)
     _add_rope(writer, _rope(cfg))

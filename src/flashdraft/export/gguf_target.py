@@ -26,7 +26,7 @@ import gguf
 import numpy as np
 import torch
 
-from flashdraft.export.gguf_drafter import GGUF_SUFFIX, _add_rope
+from flashdraft.export.gguf_drafter import GGUF_SUFFIX, _add_rope, add_layer_shape
 
 # HF architecture -> llama.cpp architecture (conversion/__init__.py maps Mistral to Llama's converter)
 ARCHITECTURES = {
@@ -194,12 +194,7 @@ def _add_tokenizer(writer: gguf.GGUFWriter, src: Path, pre: str, state: dict, vo
 
 
 def _add_shape(writer: gguf.GGUFWriter, cfg: dict, arch: gguf.MODEL_ARCH, dtype: str) -> None:
-    writer.add_block_count(cfg["num_hidden_layers"])
-    writer.add_context_length(cfg["max_position_embeddings"])
-    writer.add_embedding_length(cfg["hidden_size"])
-    writer.add_feed_forward_length(cfg["intermediate_size"])
-    writer.add_head_count(cfg["num_attention_heads"])
-    writer.add_head_count_kv(cfg["num_key_value_heads"])
+    add_layer_shape(writer, cfg)
     _add_rope(writer, cfg["rope"])
     writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     writer.add_key_length(cfg["head_dim"])
