@@ -59,10 +59,15 @@ def test_dflash2_greedy_decoding_is_the_targets_greedy_output_and_follows_the_se
     assert moved  # the selector, not the argmax, chose the drafts
 
 
-def test_dflash2_decodes_alike_on_fixed_shape_caches(setup):
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_dflash2_decodes_alike_on_fixed_shape_caches(setup, temperature):
+    """The fixed-shape path (CUDA graphs on a GPU, run eagerly here): the best path at T = 0, and at T = 1
+    the same sampled selector paths, drawn outside the graph with each prompt's generator."""
     s = setup
     runs = [
-        run_methods(s.target, s.dflash2, s.prompts[:3], 32, s.dflash2.block_size, 0.0, (), 0, None, graphs)
+        run_methods(
+            s.target, s.dflash2, s.prompts[:3], 32, s.dflash2.block_size, temperature, (), 0, None, graphs
+        )
         for graphs in (False, True)
     ]
     dynamic, static = (r["dflash"] for r in runs)

@@ -296,17 +296,15 @@ def test_the_tau_ratio_interval_comes_from_resampling_prompts():
     assert tau_ratio([float("nan")], [2.0])["samples"] == 0
 
 
-def test_sampled_drafts_are_seeded_and_refused_where_they_cannot_run():
+def test_sampled_drafts_are_seeded_and_refused_at_t0():
     """eval_tau and run_methods draft by sampling when asked (each prompt's generator seeds the drafts
-    as well as the verification), and refuse it at T = 0 and on the CUDA-graph path."""
+    as well as the verification), and refuse it at T = 0."""
     s = tiny_setup()
     sampled = dict(temperature=1.0, draft_sampling="sample")
     taus = [eval_tau(s.target, None, s.trained, s.prompts[:2], 16, **sampled) for _ in range(2)]
     assert taus[0] == taus[1] and taus[0] > 1
     runs = [run_methods(s.target, s.trained, s.prompts[:2], 16, BLOCK, **sampled) for _ in range(2)]
     assert [g.tokens for g in runs[0]["dflash"]] == [g.tokens for g in runs[1]["dflash"]]
-    with pytest.raises(ValueError, match="CUDA graphs"):
-        run_methods(s.target, s.trained, s.prompts[:1], 16, BLOCK, cuda_graphs=True, **sampled)
     with pytest.raises(ValueError, match="temperature > 0"):
         eval_tau(s.target, None, s.trained, s.prompts[:1], 16, draft_sampling="sample")
 
@@ -321,15 +319,20 @@ def test_run_methods_measures_all_three_on_every_prompt():
     assert all(g.decode_s > 0 for gens in results.values() for g in gens)
 
 
-@pytest.mark.parametrize(("temperature", "block"), [(0.0, BLOCK), (1.0, BLOCK), (0.0, BLOCK // 2)])
-def test_fixed_shape_decoding_matches_the_dynamic_cache_sample_by_sample(temperature, block):
+@pytest.mark.parametrize(
+    ("temperature", "block", "drafts"),
+    [(0.0, BLOCK, "auto"), (1.0, BLOCK, "argmax"), (1.0, BLOCK, "sample"), (0.0, BLOCK // 2, "auto")],
+)
+def test_fixed_shape_decoding_matches_the_dynamic_cache_sample_by_sample(temperature, block, drafts):
     """The CUDA-graph path's static caches (run eagerly on the CPU): the same tokens and cycles as the
     cropped DynamicCache, for every method, with prompts of different lengths sharing the buffers,
-    also when decoding with a smaller block than the drafter was trained with."""
+    also when decoding with a smaller block than the drafter was trained with, and with sampled drafts
+    (drawn outside the graph with each prompt's generator)."""
     s = tiny_setup()
     prompts = [s.prompts[0], s.prompts[1][:4], s.prompts[2] + s.prompts[3]]
-    dynamic = run_methods(s.target, s.trained, prompts, 30, block, temperature)
-    static = run_methods(s.target, s.trained, prompts, 30, block, temperature, cuda_graphs=True)
+    rule = {"draft_sampling": drafts}
+    dynamic = run_methods(s.target, s.trained, prompts, 30, block, temperature, **rule)
+    static = run_methods(s.target, s.trained, prompts, 30, block, temperature, cuda_graphs=True, **rule)
     for method in dynamic:
         for d, f in zip(dynamic[method], static[method], strict=True):
             assert f.tokens == d.tokens and f.accept_lengths == d.accept_lengths, method
@@ -401,7 +404,7 @@ def test_eval_cli_writes_report_plot_and_table(tmp_path, tiny_target_dir, tiny_d
         assert static[method]["tau_per_sample"] == report[method]["tau_per_sample"]
 
 
-def test_eval_cli_records_the_drafting_rule_and_refuses_sampled_drafts_with_cuda_graphs(
+def test_eval_cli_records_the_drafting_rule_with_and_without_cuda_graphs(
     tmp_path, tiny_target_dir, tiny_drafter_dir
 ):
     prompts = tmp_path / "prompts.jsonl"
@@ -412,8 +415,11 @@ def test_eval_cli_records_the_drafting_rule_and_refuses_sampled_drafts_with_cuda
     result = CliRunner().invoke(_cli(), [*args, "--draft-sampling", "sample"])
     assert result.exit_code == 0, result.output
     assert json.loads(report_path.read_text())["settings"]["draft_sampling"] == "sample"
+    sampled = json.loads(report_path.read_text())["dflash"]["tau_per_sample"]
     result = CliRunner().invoke(_cli(), [*args, "--draft-sampling", "sample", "--cuda-graphs"])
-    assert result.exit_code == 2 and "not supported with CUDA graphs" in result.output
+    assert result.exit_code == 0, result.output
+    report = json.loads(report_path.read_text())
+    assert report["settings"]["cuda_graphs"] is True and report["dflash"]["tau_per_sample"] == sampled
 
 
 def test_eval_cli_rejects_a_bad_prompt_record(tmp_path, tiny_target_dir, tiny_drafter_dir):

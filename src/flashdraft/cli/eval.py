@@ -32,7 +32,7 @@ def eval_cmd(
         "auto",
         help="the drafts at T > 0: argmax (one-hot proposals), sample (DFlash: each position drawn from "
         "softmax(drafter logits / T); DFlash2: the selector's path sampled; verified with their "
-        "probabilities; not with --cuda-graphs), or auto (argmax for DFlash, sample for DFlash2)",
+        "probabilities), or auto (argmax for DFlash, sample for DFlash2)",
     ),
     block_size: int | None = typer.Option(
         None, min=2, help="tokens per verify block (default: the drafter's)"
@@ -65,7 +65,7 @@ def eval_cmd(
     if reference and temperature > 0:
         _fail("--reference compares greedy decoding: use it with --temperature 0")
     try:
-        check_draft_sampling(draft_sampling, temperature, cuda_graphs)
+        check_draft_sampling(draft_sampling, temperature)
     except ValueError as e:
         _fail(f"--draft-sampling {draft_sampling}: {e}")
     if reference and importlib.util.find_spec("dflash") is None:

@@ -247,19 +247,54 @@ class DFlashProposer:
         return self.drafter.logits(hidden, self.target.lm_head)[0]
 
     def propose(self, last_token: torch.Tensor, start: int, num_drafts: int) -> Proposal:
-        if self.drafter.dflash2 is not None:
-            hidden = self.hidden(last_token, start, num_drafts)
-            path = self.drafter.propose(
-                hidden, last_token.view(1), self.target.lm_head, self.temperature, self.generator
-            )
-            if path.probs is None:
-                return Proposal(path.tokens)
-            return Proposal(path.tokens, path.probs, path.candidates)
-        logits = self.logits(last_token, start, num_drafts)
-        if self.temperature <= 0:
-            return Proposal(logits.argmax(-1)[None])
-        q = sampling_probs(logits, self.temperature)
-        return Proposal(torch.multinomial(q, 1, generator=self.generator).T, q[None])
+        hidden = self.hidden(last_token, start, num_drafts)
+        return drafts_from_hidden(
+            self.drafter, hidden, last_token, self.target.lm_head, self.temperature, self.generator
+        )
+
+
+class StaticSampledProposer:
+    """Sampled drafts on the fixed-shape drafter (CUDA graphs): the graph gives the hidden states, and
+    the drafts are drawn outside it with this prompt's generator (drafts_from_hidden), as DFlashProposer
+    draws them."""
+
+    def __init__(self, static: StaticDFlashProposer, temperature: float, generator: torch.Generator | None):
+        self.static, self.temperature, self.generator = static, temperature, generator
+
+    def observe(self, token_ids: torch.Tensor, features: torch.Tensor, start: int) -> None:
+        self.static.observe(token_ids, features, start)
+
+    def propose(self, last_token: torch.Tensor, start: int, num_drafts: int) -> Proposal:
+        hidden = self.static.hidden(last_token, start, num_drafts)
+        lm_head = self.static.target.lm_head
+        return drafts_from_hidden(
+            self.static.drafter, hidden, last_token, lm_head, self.temperature, self.generator
+        )
+
+
+def drafts_from_hidden(
+    drafter: DFlashDrafter,
+    hidden: torch.Tensor,
+    last_token: torch.Tensor,
+    lm_head: torch.nn.Module,
+    temperature: float,
+    generator: torch.Generator | None,
+) -> Proposal:
+    """One block's drafts from the drafter's hidden states [1, n, D]: at T = 0 the argmax (DFlash) or the
+    selector's best path from `last_token` (DFlash2); at T > 0 each DFlash draft sampled from
+    softmax(logits / T) with its q, or one DFlash2 selector path sampled with its q over the candidates."""
+    if drafter.dflash2 is not None:
+        path = drafter.propose(hidden, last_token.view(1), lm_head, temperature, generator)
+        return (
+            Proposal(path.tokens)
+            if path.probs is None
+            else Proposal(path.tokens, path.probs, path.candidates)
+        )
+    logits = drafter.logits(hidden, lm_head)[0]
+    if temperature <= 0:
+        return Proposal(logits.argmax(-1)[None])
+    q = sampling_probs(logits, temperature)
+    return Proposal(torch.multinomial(q, 1, generator=generator).T, q[None])
 
 
 def _verify(
@@ -437,22 +472,24 @@ def eval_tau(
     drafter whose weights stay put: not during training).
     """
     draft_sampling = resolve_draft_sampling(draft_sampling, drafter, temperature)
-    check_draft_sampling(draft_sampling, temperature, cuda_graphs)
+    check_draft_sampling(draft_sampling, temperature)
     spec = decoding_target(target, drafter)
     ids = [_prompt_ids(p, tokenizer, thinking) for p in prompts]
     stops = stop_token_ids(spec.model, tokenizer)
     block = block_size or drafter.block_size
-    static, static_dflash = (
-        static_decoders(spec, drafter, ids, max_new_tokens, block) if cuda_graphs else (None, None)
-    )
     draft_temperature = temperature if draft_sampling == "sample" else 0.0
+    static, static_dflash = (
+        static_decoders(spec, drafter, ids, max_new_tokens, block, draft_temperature > 0)
+        if cuda_graphs
+        else (None, None)
+    )
     was_training = drafter.training
     drafter.eval()
     try:
         taus = []
         for i, p in enumerate(ids):
             gen = torch.Generator(device=spec.device).manual_seed(seed + i)
-            proposer = static_dflash or DFlashProposer(drafter, spec, draft_temperature, gen)
+            proposer = _proposer("dflash", drafter, spec, static_dflash, draft_temperature, gen)
             prompt = torch.tensor([p], device=spec.device)
             out = generate(spec, prompt, max_new_tokens, proposer, block, temperature, stops, gen, static)
             taus.append(out.tau)
@@ -489,7 +526,7 @@ def resolve_draft_sampling(draft_sampling: str, drafter: DFlashDrafter, temperat
     return "sample" if drafter.dflash2 is not None and temperature > 0 else "argmax"
 
 
-def check_draft_sampling(draft_sampling: str, temperature: float, cuda_graphs: bool) -> None:
+def check_draft_sampling(draft_sampling: str, temperature: float) -> None:
     """Refuse a DFlash drafting rule that cannot run as asked, with the reason ("auto" is checked once
     resolve_draft_sampling has made it a rule)."""
     if draft_sampling not in DRAFT_SAMPLING:
@@ -498,12 +535,6 @@ def check_draft_sampling(draft_sampling: str, temperature: float, cuda_graphs: b
         raise ValueError(
             "sampled drafts are drawn from softmax(drafter logits / T): they need a temperature > 0 "
             "(at T = 0 the drafts are the argmax)"
-        )
-    if draft_sampling == "sample" and cuda_graphs:
-        raise ValueError(
-            "sampled drafts (DFlash2's default at T > 0) are not supported with CUDA graphs: the "
-            "fixed-shape drafter takes its drafts inside its graph; decode without cuda_graphs, or draft "
-            "by argmax"
         )
 
 
@@ -515,24 +546,36 @@ def _proposer(
     draft_temperature: float = 0.0,
     generator: torch.Generator | None = None,
 ) -> Proposer | None:
+    if method == "dflash" and static_dflash is None:
+        return DFlashProposer(drafter, target, draft_temperature, generator)
     if method == "dflash":
-        return static_dflash or DFlashProposer(drafter, target, draft_temperature, generator)
+        return (
+            StaticSampledProposer(static_dflash, draft_temperature, generator)
+            if draft_temperature > 0
+            else static_dflash
+        )
     if method == "ngram":
         return NgramProposer()
     return None
 
 
 def static_decoders(
-    target: Target, drafter: DFlashDrafter, prompts: Sequence[Sequence[int]], max_new_tokens: int, block: int
+    target: Target,
+    drafter: DFlashDrafter,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    block: int,
+    sampled: bool = False,
 ) -> tuple[StaticTarget, StaticDFlashProposer]:
     """The target and the DFlash proposer on fixed-shape caches long enough for every prompt, their
-    CUDA graphs (on a GPU) captured for every verify width 1..block."""
+    CUDA graphs (on a GPU) captured for every verify width 1..block (sampled: the drafter's graphs give
+    hidden states, for StaticSampledProposer)."""
     max_len = max(len(p) for p in prompts) + max_new_tokens + block
     graphs = Graphs(target.device)
     static = StaticTarget(target, max_len, graphs)
     static_dflash = StaticDFlashProposer(drafter, target, max_len, graphs, block)
     static.capture(range(1, block + 1))
-    static_dflash.capture()
+    static_dflash.capture(sampled)
     return static, static_dflash
 
 
@@ -557,17 +600,19 @@ def run_methods(
     not depend on which others run: each prompt's sampling generator is seeded per method.
     draft_sampling: DFlash's drafts, "argmax" (one-hot proposals), "sample" (each drawn from
     softmax(drafter logits / T), DFlash2's selector path sampled, with the prompt's generator and verified
-    by speculative sampling; T > 0, not with cuda_graphs) or "auto" (resolve_draft_sampling)."""
+    by speculative sampling; T > 0) or "auto" (resolve_draft_sampling)."""
     unknown = set(methods) - set(METHODS)
     if unknown or not methods:
         raise ValueError(f"methods must be among {METHODS}, got {list(methods)}")
     draft_sampling = resolve_draft_sampling(draft_sampling, drafter, temperature)
-    check_draft_sampling(draft_sampling, temperature, cuda_graphs)
+    check_draft_sampling(draft_sampling, temperature)
     device = target.device
-    static, static_dflash = (
-        static_decoders(target, drafter, prompts, max_new_tokens, block_size) if cuda_graphs else (None, None)
-    )
     draft_temperature = temperature if draft_sampling == "sample" else 0.0
+    static, static_dflash = (
+        static_decoders(target, drafter, prompts, max_new_tokens, block_size, draft_temperature > 0)
+        if cuda_graphs
+        else (None, None)
+    )
 
     def proposer(method: str, gen: torch.Generator) -> Proposer | None:
         return _proposer(method, drafter, target, static_dflash, draft_temperature, gen)

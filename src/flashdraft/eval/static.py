@@ -175,11 +175,11 @@ class StaticTarget:
 
 
 class StaticDFlashProposer:
-    """DFlashProposer's T = 0 drafts from fixed buffers: context K/V per layer [1, h_kv, max_len, d].
+    """DFlashProposer's drafts from fixed buffers: context K/V per layer [1, h_kv, max_len, d].
 
-    The drafts (the argmax, or DFlash2's best selector path) are taken inside the graph, so they are
-    one-hot proposals only: sampled drafts, which
-    need the logits and a generator outside it, are refused by flashdraft.eval.spec.check_draft_sampling.
+    T = 0 (`propose`): the drafts (the argmax, or DFlash2's best selector path) are taken inside the
+    graph. Sampled drafts (`hidden`): the graph gives the drafter's hidden states and the caller samples
+    outside it, where the prompt's generator lives (flashdraft.eval.spec.StaticSampledProposer).
     """
 
     def __init__(self, drafter: DFlashDrafter, target: Target, max_len: int, graphs: Graphs, block_size: int):
@@ -199,12 +199,13 @@ class StaticDFlashProposer:
         self.blocks: dict[int, torch.Tensor] = {}
 
     @torch.inference_mode()
-    def capture(self) -> None:
-        """The observe graph and a propose graph per block width, now (see StaticTarget.capture)."""
+    def capture(self, sampled: bool = False) -> None:
+        """The observe graph and, per block width, a propose graph (sampled: a hidden-states graph), now
+        (see StaticTarget.capture)."""
         last = torch.zeros(1, dtype=torch.long, device=self.start.device)
         self.observe(None, self.features, start=0)
         for drafts in range(1, self.block_size):
-            self.propose(last, start=1, num_drafts=drafts)
+            (self.hidden if sampled else self.propose)(last, start=1, num_drafts=drafts)
 
     def _write(self, features: torch.Tensor) -> None:
         """Context K/V of `features` [1, n, N*D] at positions start..start+n-1."""
@@ -229,15 +230,26 @@ class StaticDFlashProposer:
         self.graphs("observe", self.block_size, lambda: self._write(self.features))
 
     def propose(self, last_token: torch.Tensor, start: int, num_drafts: int) -> torch.Tensor:
+        """The T = 0 drafts [1, num_drafts] of the block after `last_token` at `start`."""
+        block = self._block(last_token, start, num_drafts)
+        return self.graphs("propose", block.shape[1], lambda: greedy_drafts(*self._inputs(block)))
+
+    def hidden(self, last_token: torch.Tensor, start: int, num_drafts: int) -> torch.Tensor:
+        """The drafter's hidden states [1, num_drafts, D] of that block (overwritten by the next call)."""
+        block = self._block(last_token, start, num_drafts)
+        return self.graphs("hidden", block.shape[1], lambda: draft_hidden(*self._inputs(block)))
+
+    def _block(self, last_token: torch.Tensor, start: int, num_drafts: int) -> torch.Tensor:
         width = num_drafts + 1
         if width not in self.blocks:
             self.blocks[width] = last_token.new_full((1, width), self.drafter.mask_token_id)
         block = self.blocks[width]
         block[0, :1].copy_(last_token.view(1))
         self.start.fill_(start)
-        return self.graphs("propose", width, lambda: self._propose(block))
+        return block
 
-    def _propose(self, block: torch.Tensor) -> torch.Tensor:
+    def _inputs(self, block: torch.Tensor) -> tuple:
+        """draft_hidden's arguments for `block` at self.start over the filled context rows."""
         width = block.shape[1]
         positions = self.start + torch.arange(width, device=block.device)
         context = torch.arange(self.max_len, device=block.device) < self.start  # filled rows
@@ -245,4 +257,4 @@ class StaticDFlashProposer:
         kv = list(zip(self.keys, self.values, strict=True))
         keys = torch.cat([torch.arange(self.max_len, device=block.device), positions])
         vis = layer_visibility(self.drafter, mask, keys, positions)
-        return greedy_drafts(self.drafter, self.target, block, positions[None], kv, vis)
+        return self.drafter, self.target, block, positions[None], kv, vis
