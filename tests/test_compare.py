@@ -63,8 +63,9 @@ def test_a_comparison_is_checked_before_it_starts_and_cannot_change(tiny_target_
             tmp_path / "a",
             _comparison(tiny_target_dir, data_dir, variants={"bad": {"position_weights": "x"}}),
         )
-    with pytest.raises(ValueError, match="variant name 'ngram'"):
-        open_comparison(tmp_path / "b", _comparison(tiny_target_dir, data_dir, variants={"ngram": {}}))
+    for taken in ("ngram", "plain"):
+        with pytest.raises(ValueError, match=f"variant name '{taken}'"):
+            open_comparison(tmp_path / taken, _comparison(tiny_target_dir, data_dir, variants={taken: {}}))
     cmp = open_comparison(tmp_path / "c", _comparison(tiny_target_dir, data_dir))
     assert open_comparison(tmp_path / "c", None) == cmp == open_comparison(tmp_path / "c", cmp)
     with pytest.raises(ValueError, match="holds another comparison"):
@@ -77,13 +78,13 @@ def test_variants_train_equal_tokens_and_their_served_tau_is_compared(tiny_targe
     out = tmp_path / "cmp"
     args = ["compare", "--out", str(out), "--target", str(tiny_target_dir), "--data", str(data_dir),
             "--steps", "4", "--max-new-tokens", "12", "--device", "cpu",
-            "--variant", "today", "--variant", "gamma:position_weights=gamma"]  # fmt: skip
+            "--variant", "today", "--variant", "gamma:position_weights=gamma", "--plain"]  # fmt: skip
     args += [a for key, value in BASE.items() for a in ("--base", f"{key}={value}")]
     for name, conversations in PROMPTS.items():
         args += ["--prompts", f"{name}={_jsonl(tmp_path / f'{name}.jsonl', conversations)}"]
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 0, result.output
-    assert open_comparison(out, None) == _comparison(tiny_target_dir, data_dir)
+    assert open_comparison(out, None) == _comparison(tiny_target_dir, data_dir, plain=True)
     table = json.loads((out / "table.json").read_text())
     assert "served tau at 4 steps each" in result.output
     # every variant trained the same steps on the same micro-batches, and differently
@@ -102,6 +103,10 @@ def test_variants_train_equal_tokens_and_their_served_tau_is_compared(tiny_targe
         assert r["vs_reference"]["ratio"] == (
             1.0 if name == "today" else r["tau"] / rows[s, t, "today"]["tau"]
         )
+        plain, mine = (json.loads((out / w / f"{s}_t{t:g}.json").read_text()) for w in ("plain", name))
+        tpot = "time_per_output_token_s"
+        assert r["speedup"] == pytest.approx(plain[tpot] / mine[tpot], abs=1e-3)
+    assert "speedup" in result.output
     # each variant's tau is what a plain eval of its checkpoint gives with every method running
     model, tokenizer = load_target(tiny_target_dir, "cpu")
     drafter = load_drafter(b, "cpu").eval()
@@ -110,7 +115,7 @@ def test_variants_train_equal_tokens_and_their_served_tau_is_compared(tiny_targe
         full = run_methods(
             decoding_target(model, drafter), drafter, ids, 12, 8, t, stop_token_ids(model, tokenizer)
         )
-        for who, method in (("gamma", "dflash"), ("ngram", "ngram")):
+        for who, method in (("gamma", "dflash"), ("ngram", "ngram"), ("plain", "autoregressive")):
             report = json.loads((out / who / f"code_t{t:g}.json").read_text())
             assert report["outputs"] == [g.tokens for g in full[method]]  # the same samples at T = 1
             assert report["tau_per_sample"] == pytest.approx([g.tau for g in full[method]])
@@ -132,7 +137,7 @@ def test_the_command_writes_the_comparison_it_names(tiny_target_dir, data_dir, t
     assert cmp.variants == {"today": {}, "mix": {"distill": 0.5, "drafter.num_taps": 2}}
     assert (cmp.steps, cmp.max_new_tokens, cmp.ngram, cmp.base) == (3, 9, False, {"drafter.num_layers": 1})
     assert list(cmp.prompts) == ["code", "humaneval"] and cmp.prompts["code"] == PROMPTS["code"]
-    assert len(cmp.prompts["humaneval"]) == 2 and cmp.decoders == ("today", "mix")
+    assert len(cmp.prompts["humaneval"]) == 2 and cmp.decoders == ("today", "mix") and not cmp.plain
     # run again with only --out: the same comparison continues
     again = CliRunner().invoke(app, ["compare", "--out", str(out), "--minutes", "0"])
     assert again.exit_code == 0 and open_comparison(out, None) == cmp, again.output

@@ -3,14 +3,16 @@
 Each variant is a set of `flashdraft train` overrides on a shared base. Every variant trains the same
 steps with the same data and seed, so all see the same micro-batches. Then each decodes the same
 prompts at every temperature, and its tau is compared with the first variant's by a paired bootstrap
-(`flashdraft.eval.report.tau_ratio`). The table reports tau, not speedups: `flashdraft eval` measures
-those against plain decoding.
+(`flashdraft.eval.report.tau_ratio`). With `plain`, the target also decodes alone, and each row has the
+variant's wall-clock speedup over it on the same prompts (each decoder timed in its own process, one
+after another, after a warm-up).
 
 A comparison directory OUT holds:
 - spec.json: what is compared (`Comparison`); running the command again continues it, unchanged;
 - NAME/run: each variant's training run; NAME/train.json once it has trained all its steps;
 - NAME/SET_tT.json: its decoding of each prompt set at each temperature (per-sample tau, acceptance
   by draft position); ngram/SET_tT.json: prompt lookup on the same prompts, for scale;
+  plain/SET_tT.json: the target decoding alone, for the speedups;
 - table.json: the comparison (`comparison_table`).
 
 The variants train side by side, one process each. On one H200, four SmolLM2 drafters trained at
@@ -35,6 +37,8 @@ import yaml
 SAVE_MARGIN_S = 15.0  # a slice stops this long before the deadline: its checkpoint is written in time
 FIRST_SLICE = 50  # steps of a worker's first slice, which also compiles; later slices fill the time left
 NGRAM = "ngram"
+PLAIN = "plain"
+DECODERS = {NGRAM: "ngram", PLAIN: "autoregressive"}  # decoders beside the variants, and their methods
 
 
 @dataclass(frozen=True)
@@ -52,6 +56,7 @@ class Comparison:
     cuda_graphs: bool = False
     seed: int = 0
     ngram: bool = True  # also decode with prompt lookup, for scale
+    plain: bool = False  # also decode with the target alone, for the variants' speedups
     extra: dict = field(default_factory=dict)  # what the caller records beside (e.g. its source run)
 
     def config(self, name: str):
@@ -62,15 +67,17 @@ class Comparison:
 
     @property
     def decoders(self) -> tuple[str, ...]:
-        return (*self.variants, NGRAM) if self.ngram else tuple(self.variants)
+        return (*self.variants, *([NGRAM] if self.ngram else []), *([PLAIN] if self.plain else []))
 
     def check(self) -> None:
         """Every variant's config resolves; names are usable as folder names."""
         if not self.variants:
             raise ValueError("no variants to compare")
         for name in self.variants:
-            if name == NGRAM or not name.replace("_", "").replace("-", "").isalnum():
-                raise ValueError(f"variant name {name!r}: letters, digits, '-' and '_' (and not {NGRAM!r})")
+            if name in DECODERS or not name.replace("_", "").replace("-", "").isalnum():
+                raise ValueError(
+                    f"variant name {name!r}: letters, digits, '-' and '_' (and not {' or '.join(DECODERS)})"
+                )
             try:
                 self.config(name)
             except ValueError as e:
@@ -171,8 +178,8 @@ def train_variant(cmp: Comparison, out: Path, name: str, deadline: float) -> Non
 
 
 def decode_variant(cmp: Comparison, out: Path, who: str) -> None:
-    """`who`'s decoding (a variant's DFlash, or NGRAM: prompt lookup) of every prompt set at every
-    temperature, one report a set and temperature (a report already written is kept)."""
+    """`who`'s decoding (a variant's DFlash, NGRAM: prompt lookup, PLAIN: the target alone) of every prompt
+    set at every temperature, one report a set and temperature (a report already written is kept)."""
     from flashdraft.eval.report import method_summary
     from flashdraft.eval.spec import decoding_target, encode_prompt, run_methods
     from flashdraft.model.checkpoint import latest_checkpoint, load_drafter
@@ -180,13 +187,13 @@ def decode_variant(cmp: Comparison, out: Path, who: str) -> None:
 
     device = default_device(cmp.device)
     model, tokenizer = load_target(cmp.target, device)
-    # prompt lookup needs no drafter; the reference variant's gives the decoding loop its taps
-    name = next(iter(cmp.variants)) if who == NGRAM else who
+    # prompt lookup and plain decoding need no drafter; the reference variant's gives the loop its taps
+    name = next(iter(cmp.variants)) if who in DECODERS else who
     checkpoint = latest_checkpoint(out / name / "run" / "checkpoints")
     drafter = load_drafter(checkpoint, device, dtype=model.dtype).eval()
     target = decoding_target(model, drafter)
     stops = stop_token_ids(model, tokenizer)
-    method = "ngram" if who == NGRAM else "dflash"
+    method = DECODERS.get(who, "dflash")
     for set_name, conversations in cmp.prompts.items():
         ids = [encode_prompt(tokenizer, c) for c in conversations]
         for temperature in cmp.temperatures:
@@ -276,7 +283,8 @@ def _check(codes: dict[str, int | None], out: Path, role: str) -> None:
 def comparison_table(cmp: Comparison, out: Path) -> dict:
     """Per prompt set and temperature, each variant's tau (± standard error), its ratio to the first
     variant's with a 95% paired-bootstrap interval, acceptance at draft positions 1-3, and prompt
-    lookup's tau; per variant, its training steps, tokens and last logged loss."""
+    lookup's tau, and with plain decoding the variant's speedup over it (time per output token); per
+    variant, its training steps, tokens and last logged loss."""
     from flashdraft.eval.report import tau_ratio
 
     reference = next(iter(cmp.variants))
@@ -284,7 +292,7 @@ def comparison_table(cmp: Comparison, out: Path) -> dict:
     for set_name in cmp.prompts:
         for t in cmp.temperatures:
             reports = {w: json.loads(report_path(out, w, set_name, t).read_text()) for w in cmp.decoders}
-            base, ngram = reports[reference], reports.get(NGRAM, {})
+            base, ngram, plain = reports[reference], reports.get(NGRAM, {}), reports.get(PLAIN)
             for name in cmp.variants:
                 r = reports[name]
                 rows.append({
@@ -292,6 +300,7 @@ def comparison_table(cmp: Comparison, out: Path) -> dict:
                     "tau_stderr": r["tau_stderr"],
                     "vs_reference": tau_ratio(r["tau_per_sample"], base["tau_per_sample"]),
                     "acceptance_1_3": r["acceptance_by_position"][:3], "ngram_tau": ngram.get("tau"),
+                    "speedup": _speedup(plain, r),
                 })  # fmt: skip
     training = {n: json.loads((out / n / "train.json").read_text()) for n in cmp.variants}
     settings = {n: {**cmp.base, **v} for n, v in cmp.variants.items()}
@@ -304,6 +313,13 @@ def comparison_table(cmp: Comparison, out: Path) -> dict:
     }
 
 
+def _speedup(plain: dict | None, report: dict) -> float | None:
+    """Plain decoding's time per output token over the report's (None without plain decoding)."""
+    if plain is None or not report.get("time_per_output_token_s"):
+        return None
+    return round(plain["time_per_output_token_s"] / report["time_per_output_token_s"], 3)
+
+
 def print_comparison(table: dict, console=None) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -312,7 +328,9 @@ def print_comparison(table: dict, console=None) -> None:
     t = Table(
         title=f"served tau at {table['steps']} steps each; ratio to {table['reference']!r} (95% interval)"
     )
-    for col in ("prompts", "T", "variant", "tau", "vs reference", "P(accept) 1-3", "n-gram"):
+    speedups = any(r.get("speedup") is not None for r in table["rows"])
+    columns = ("prompts", "T", "variant", "tau", "vs reference", "P(accept) 1-3", "n-gram")
+    for col in columns + (("speedup",) if speedups else ()):
         t.add_column(col, justify="left" if col in ("prompts", "variant") else "right")
     for r in table["rows"]:
         v = r["vs_reference"]
@@ -328,6 +346,7 @@ def print_comparison(table: dict, console=None) -> None:
             ratio,
             accept,
             "-" if r["ngram_tau"] is None else f"{r['ngram_tau']:.2f}",
+            *([f"{r['speedup']:.2f}x" if r.get("speedup") else "-"] if speedups else []),
         )
     console.print(t)
     for name, tr in table["training"].items():

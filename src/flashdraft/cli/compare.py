@@ -39,6 +39,9 @@ def compare_cmd(
     preset: str = typer.Option("default", help="named preset the settings overlay"),
     max_new_tokens: int = typer.Option(192, min=1, help="tokens decoded per prompt"),
     ngram: bool = typer.Option(True, "--ngram/--no-ngram", help="also decode with prompt lookup, for scale"),
+    plain: bool = typer.Option(
+        False, "--plain", help="also decode with the target alone: each variant's wall-clock speedup"
+    ),
     device: str | None = typer.Option(None, help="cpu or cuda (default: cuda when visible)"),
     cuda_graphs: bool = typer.Option(
         False, "--cuda-graphs", help="decode with fixed-shape caches replayed as CUDA graphs"
@@ -62,7 +65,7 @@ def compare_cmd(
         if variant:
             given = _comparison(
                 variant, steps, target, data, prompts, humaneval, base, preset=preset, device=device,
-                max_new_tokens=max_new_tokens, ngram=ngram, cuda_graphs=cuda_graphs,
+                max_new_tokens=max_new_tokens, ngram=ngram, plain=plain, cuda_graphs=cuda_graphs,
             )  # fmt: skip
         cmp = open_comparison(out, given)
     except (ValueError, OSError) as e:
