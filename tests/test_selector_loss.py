@@ -123,6 +123,7 @@ def test_the_selector_term_is_a_position_by_position_computation_of_it(gold):
     positions = float((weights > 0).sum())
     assert 0 < recalled < positions and 0 < correct < recalled  # the data has each kind of position
     assert 1 < accepted - out.blocks < out.accepted - out.blocks  # a run of several, not the argmax's
+    assert float(out.per_block.sum()) == accepted  # validation walks the selector's path, as decoding does
     if gold == "skip":
         assert weight_sum < weights.sum()
 
@@ -254,7 +255,8 @@ def test_a_runs_selector_learns_where_the_previous_token_decides_the_next(tmp_pa
     cfg = resolve_config("tiny_cpu", **RUN_DFLASH2, **over)
     build_trainer(cfg, tiny_target_dir, tmp_path / "data", tmp_path / "run", "cpu").run()
     logged = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    first, last = logged[0], logged[-1]
+    # gold skip (the default): a step none of whose labels is among the candidates has no selector loss
+    first, last = next(m for m in logged if m["candidate_recall"] > 0), logged[-1]
     assert last["selector_loss"] < 0.6 * first["selector_loss"]
     assert [m["selector_alpha"] for m in logged[:7]] == [0, 0, 0.25, 0.5, 0.75, 1, 1]  # set by the step
     assert 0 < last["candidate_recall"] <= 1
@@ -262,7 +264,8 @@ def test_a_runs_selector_learns_where_the_previous_token_decides_the_next(tmp_pa
     # path beat the argmax's
     assert last["val_selector_acc"] > last["val_acc_mean"] + 0.1
     assert last["val_selector_tau_train"] > last["val_tau_train"]
-    assert last["loss"] == pytest.approx(last["base_loss"] + last["selector_loss"], rel=1e-4)
+    # alpha 1: the selector's mean over the positions it counts, weighted by their share of the step's
+    assert last["base_loss"] < last["loss"] < last["base_loss"] + last["selector_loss"]
 
 
 @pytest.mark.slow  # inductor compiles on the CPU

@@ -50,7 +50,7 @@ class SelectorObjective:
     alpha: float
     warmup_steps: int = 0
     ramp_steps: int = 0
-    gold: Literal["inject", "skip"] = "inject"
+    gold: Literal["inject", "skip"] = "skip"
     stop_gradient: bool = True
 
     def alpha_at(self, step: int | None) -> float:
@@ -81,7 +81,9 @@ class BlockLoss:
     counted: torch.Tensor  # [B] label positions per slot
     accepted: torch.Tensor  # sum over blocks of 1 + the run of correct slots from slot 1 on
     blocks: torch.Tensor  # blocks with at least one weighted label
-    per_block: torch.Tensor | None = None  # [b * n] each block's acceptance length, 0 for an empty block
+    # [b * n] each block's acceptance length as T = 0 decoding drafts (the argmax; DFlash2: the selector's
+    # path), 0 for an empty block
+    per_block: torch.Tensor | None = None
     selector: torch.Tensor | None = None  # DFlash2: the sums SELECTOR_SUMS names, without gradient
     selector_alpha: float | None = None  # DFlash2: the selector term's weight in weighted_ce
 
@@ -147,7 +149,7 @@ def selector_loss(
     labels: torch.Tensor,
     previous: torch.Tensor,
     weights: torch.Tensor,
-    gold: Literal["inject", "skip"] = "inject",
+    gold: Literal["inject", "skip"] = "skip",
     stop_gradient: bool = True,
 ) -> SelectorRows:
     """The selector's teacher-forced cross-entropy at each draft position (SelectorObjective).
@@ -262,6 +264,7 @@ def block_loss(
     accepted = acceptance_lengths(rows.hits.view(b * n, bs - 1), w.view(b * n, bs - 1))
     sums = [total, weighted, rows.weight.sum(), rows.recalled.sum(), rows.hits.sum(), accepted.sum()]
     out.selector = torch.stack([x.detach().float() for x in sums])
+    out.per_block = accepted  # DFlash2 decodes its selector's path: the walk validation takes (val_tau_walk)
     out.selector_alpha = selector_alpha
     out.weighted_ce = total + selector_alpha * weighted
     return out
