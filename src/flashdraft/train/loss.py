@@ -149,7 +149,7 @@ def selector_loss(
     labels: torch.Tensor,
     previous: torch.Tensor,
     weights: torch.Tensor,
-    gold: Literal["inject", "skip"] = "skip",
+    gold: Literal["inject", "skip"],
     stop_gradient: bool = True,
 ) -> SelectorRows:
     """The selector's teacher-forced cross-entropy at each draft position (SelectorObjective).
