@@ -144,7 +144,8 @@ def test_reference_proposes_our_probabilities_at_t1_along_our_path(exported, mon
     features, block, positions, anchors = random_inputs(ours, 12, BLOCK, seed=3)
     with torch.no_grad():
         hidden = inference_hidden(ours, features, block, positions)[:, 1:]
-        proposal = ours.propose(hidden, anchors, model.lm_head, 1.0, torch.Generator().manual_seed(0))
+        noise = torch.rand(*hidden.shape[:2], 4, generator=torch.Generator().manual_seed(0))
+        proposal = ours.propose(hidden, anchors, model.lm_head, 1.0, noise)
         their_candidates = ref.compute_logits(hidden, model.lm_head).topk(4, dim=-1, sorted=False).indices
     steps = iter(range(hidden.shape[1]))
 

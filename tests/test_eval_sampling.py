@@ -22,6 +22,7 @@ from flashdraft.eval.spec import (
     sampling_probs,
     speculative_sample,
 )
+from flashdraft.model.dflash2 import gumbel_max
 from test_eval_spec import tiny_setup
 
 TEMPERATURE = 0.5
@@ -133,6 +134,19 @@ def test_rejection_step_emits_the_targets_distribution(q, support):
     assert counts[P == 0].sum() == 0  # never a token the target cannot emit
     tv = 0.5 * float((counts / TRIALS - P).abs().sum())
     assert tv < tv_tolerance(P, TRIALS), tv
+
+
+def test_gumbel_max_draws_softmax_of_its_scores():
+    """Sampled drafts come from uniform noise by the Gumbel-max trick (so that they replay in a CUDA
+    graph): 20,000 draws of one row of scores have the law softmax(scores); a sign error in -log(-log U)
+    or a sample of the scores' argmax is off by TV above 0.3."""
+    scores = torch.tensor([2.0, 1.0, 0.5, -1.0, -30.0, 0.0])
+    runs = 20_000
+    noise = torch.rand(runs, len(scores), generator=torch.Generator().manual_seed(0))
+    picks = gumbel_max(scores.expand(runs, -1), noise)
+    p = torch.softmax(scores, -1)
+    tv = 0.5 * float((torch.bincount(picks, minlength=len(scores)) / runs - p).abs().sum())
+    assert tv < tv_tolerance(p, runs), tv
 
 
 class TopCandidates(DFlashProposer):

@@ -43,8 +43,10 @@ from flashdraft.eval.static import (
     Graphs,
     StaticDFlashProposer,
     StaticTarget,
+    block_drafts,
     draft_hidden,
     layer_visibility,
+    noise_shape,
 )
 from flashdraft.model.drafter import DFlashDrafter
 from flashdraft.model.target import Target, stop_token_ids
@@ -201,9 +203,10 @@ class DFlashProposer:
 
     temperature 0: the drafts are the argmax of the drafter's logits (one-hot proposals, the default), or
     for DFlash2 the candidate selector's best path from the last token.
-    temperature > 0: each draft is sampled independently from softmax(logits / T) with `generator` and
-    carries that q for speculative sampling, as the reference `dflash` package drafts at T > 0; for
-    DFlash2 the selector samples one path and each position carries its q over the candidates.
+    temperature > 0: each draft is sampled independently from softmax(logits / T) and carries that q for
+    speculative sampling, as the reference `dflash` package drafts at T > 0; for DFlash2 the selector
+    samples one path and each position carries its q over the candidates. The samples come from uniform
+    noise drawn with `generator` (drafts_from_hidden), as the fixed-shape path draws them.
     """
 
     def __init__(
@@ -254,9 +257,8 @@ class DFlashProposer:
 
 
 class StaticSampledProposer:
-    """Sampled drafts on the fixed-shape drafter (CUDA graphs): the graph gives the hidden states, and
-    the drafts are drawn outside it with this prompt's generator (drafts_from_hidden), as DFlashProposer
-    draws them."""
+    """Sampled drafts on the fixed-shape drafter (CUDA graphs): the prompt's generator draws the noise
+    as DFlashProposer draws it, and the graph samples from it (StaticDFlashProposer.sample)."""
 
     def __init__(self, static: StaticDFlashProposer, temperature: float, generator: torch.Generator | None):
         self.static, self.temperature, self.generator = static, temperature, generator
@@ -265,11 +267,7 @@ class StaticSampledProposer:
         self.static.observe(token_ids, features, start)
 
     def propose(self, last_token: torch.Tensor, start: int, num_drafts: int) -> Proposal:
-        hidden = self.static.hidden(last_token, start, num_drafts)
-        lm_head = self.static.target.lm_head
-        return drafts_from_hidden(
-            self.static.drafter, hidden, last_token, lm_head, self.temperature, self.generator
-        )
+        return Proposal(*self.static.sample(last_token, start, num_drafts, self.temperature, self.generator))
 
 
 def drafts_from_hidden(
@@ -280,21 +278,13 @@ def drafts_from_hidden(
     temperature: float,
     generator: torch.Generator | None,
 ) -> Proposal:
-    """One block's drafts from the drafter's hidden states [1, n, D]: at T = 0 the argmax (DFlash) or the
-    selector's best path from `last_token` (DFlash2); at T > 0 each DFlash draft sampled from
-    softmax(logits / T) with its q, or one DFlash2 selector path sampled with its q over the candidates."""
-    if drafter.dflash2 is not None:
-        path = drafter.propose(hidden, last_token.view(1), lm_head, temperature, generator)
-        return (
-            Proposal(path.tokens)
-            if path.probs is None
-            else Proposal(path.tokens, path.probs, path.candidates)
-        )
-    logits = drafter.logits(hidden, lm_head)[0]
-    if temperature <= 0:
-        return Proposal(logits.argmax(-1)[None])
-    q = sampling_probs(logits, temperature)
-    return Proposal(torch.multinomial(q, 1, generator=generator).T, q[None])
+    """One block's drafts from the drafter's hidden states [1, n, D] (block_drafts): at T > 0 sampled
+    from uniform noise that `generator` draws (one call, the shape of noise_shape)."""
+    noise = None
+    if temperature > 0:
+        shape = noise_shape(drafter, lm_head, hidden.shape[1])
+        noise = torch.empty(shape, device=hidden.device).uniform_(generator=generator)
+    return Proposal(*block_drafts(drafter, lm_head, hidden, last_token.view(1), temperature, noise))
 
 
 def _verify(
@@ -479,7 +469,7 @@ def eval_tau(
     block = block_size or drafter.block_size
     draft_temperature = temperature if draft_sampling == "sample" else 0.0
     static, static_dflash = (
-        static_decoders(spec, drafter, ids, max_new_tokens, block, draft_temperature > 0)
+        static_decoders(spec, drafter, ids, max_new_tokens, block, draft_temperature)
         if cuda_graphs
         else (None, None)
     )
@@ -565,17 +555,17 @@ def static_decoders(
     prompts: Sequence[Sequence[int]],
     max_new_tokens: int,
     block: int,
-    sampled: bool = False,
+    draft_temperature: float = 0.0,
 ) -> tuple[StaticTarget, StaticDFlashProposer]:
     """The target and the DFlash proposer on fixed-shape caches long enough for every prompt, their
-    CUDA graphs (on a GPU) captured for every verify width 1..block (sampled: the drafter's graphs give
-    hidden states, for StaticSampledProposer)."""
+    CUDA graphs (on a GPU) captured for every verify width 1..block (draft_temperature > 0: the drafter's
+    graphs sample at it, for StaticSampledProposer)."""
     max_len = max(len(p) for p in prompts) + max_new_tokens + block
     graphs = Graphs(target.device)
     static = StaticTarget(target, max_len, graphs)
     static_dflash = StaticDFlashProposer(drafter, target, max_len, graphs, block)
     static.capture(range(1, block + 1))
-    static_dflash.capture(sampled)
+    static_dflash.capture(draft_temperature)
     return static, static_dflash
 
 
@@ -609,7 +599,7 @@ def run_methods(
     device = target.device
     draft_temperature = temperature if draft_sampling == "sample" else 0.0
     static, static_dflash = (
-        static_decoders(target, drafter, prompts, max_new_tokens, block_size, draft_temperature > 0)
+        static_decoders(target, drafter, prompts, max_new_tokens, block_size, draft_temperature)
         if cuda_graphs
         else (None, None)
     )

@@ -32,6 +32,7 @@ import torch
 from transformers import StaticCache
 from transformers.cache_utils import StaticLayer
 
+from flashdraft.model.dflash2 import gumbel_max
 from flashdraft.model.drafter import DFlashDrafter, Visibility
 from flashdraft.model.target import Target
 
@@ -74,14 +75,39 @@ def draft_logits(drafter: DFlashDrafter, target: Target, *block_and_cache) -> to
     return drafter.logits(draft_hidden(drafter, target, *block_and_cache), target.lm_head)
 
 
+def block_drafts(
+    drafter: DFlashDrafter,
+    lm_head: torch.nn.Module,
+    hidden: torch.Tensor,
+    anchor: torch.Tensor,
+    temperature: float,
+    noise: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """One block's drafts from the drafter's hidden states [1, n, D] after `anchor` [1]: (tokens [1, n],
+    q, support). At T = 0 the logits' argmax (DFlash) or the candidate selector's best path (DFlash2),
+    q and support None. At T > 0 samples drawn by Gumbel-max from `noise` (uniform, `noise_shape`): each
+    DFlash draft from softmax(logits / T), q [1, n, V]; one DFlash2 selector path, q [1, n, k] over its
+    candidates `support`. A pure function of its inputs: it replays in a CUDA graph."""
+    if drafter.dflash2 is not None:
+        path = drafter.propose(hidden, anchor, lm_head, temperature, noise)
+        return path.tokens, path.probs, None if path.probs is None else path.candidates
+    logits = drafter.logits(hidden, lm_head)
+    if temperature <= 0:
+        return logits.argmax(-1), None, None
+    scaled = logits.float() / temperature
+    return gumbel_max(scaled, noise), torch.softmax(scaled, dim=-1), None
+
+
+def noise_shape(drafter: DFlashDrafter, lm_head: torch.nn.Module, num_drafts: int) -> tuple[int, int, int]:
+    """The uniform noise block_drafts samples from: a DFlash2 selector's top-k, or the vocabulary."""
+    width = drafter.candidate_selector.top_k if drafter.dflash2 is not None else lm_head.weight.shape[0]
+    return (1, num_drafts, width)
+
+
 def greedy_drafts(drafter: DFlashDrafter, target: Target, *block_and_cache) -> torch.Tensor:
-    """The T = 0 drafts [1, w - 1] (draft_hidden's arguments): the logits' argmax for DFlash, the candidate
-    selector's best path from the anchor for DFlash2."""
+    """The T = 0 drafts [1, w - 1] (draft_hidden's arguments)."""
     hidden = draft_hidden(drafter, target, *block_and_cache)
-    if drafter.dflash2 is None:
-        return drafter.logits(hidden, target.lm_head).argmax(-1)
-    block = block_and_cache[0]
-    return drafter.propose(hidden, block[:, 0], target.lm_head, 0.0).tokens
+    return block_drafts(drafter, target.lm_head, hidden, block_and_cache[0][:, 0], 0.0)[0]
 
 
 class Graphs:
@@ -178,8 +204,8 @@ class StaticDFlashProposer:
     """DFlashProposer's drafts from fixed buffers: context K/V per layer [1, h_kv, max_len, d].
 
     T = 0 (`propose`): the drafts (the argmax, or DFlash2's best selector path) are taken inside the
-    graph. Sampled drafts (`hidden`): the graph gives the drafter's hidden states and the caller samples
-    outside it, where the prompt's generator lives (flashdraft.eval.spec.StaticSampledProposer).
+    graph. Sampled drafts (`sample`): the prompt's generator fills a noise buffer outside the graph (one
+    kernel), and the graph samples the drafts from it (block_drafts), DFlash2's whole path walk included.
     """
 
     def __init__(self, drafter: DFlashDrafter, target: Target, max_len: int, graphs: Graphs, block_size: int):
@@ -197,15 +223,19 @@ class StaticDFlashProposer:
         width = len(drafter.target_layer_ids) * drafter.config.hidden_size
         self.features = torch.zeros(1, self.block_size, width, dtype=self.dtype, device=device)
         self.blocks: dict[int, torch.Tensor] = {}
+        self.noise: dict[int, torch.Tensor] = {}  # per block width: the uniform noise of sampled drafts
 
     @torch.inference_mode()
-    def capture(self, sampled: bool = False) -> None:
-        """The observe graph and, per block width, a propose graph (sampled: a hidden-states graph), now
-        (see StaticTarget.capture)."""
+    def capture(self, temperature: float = 0.0) -> None:
+        """The observe graph and, per block width, a propose graph (T > 0: a sampling graph at
+        `temperature`), now (see StaticTarget.capture)."""
         last = torch.zeros(1, dtype=torch.long, device=self.start.device)
         self.observe(None, self.features, start=0)
         for drafts in range(1, self.block_size):
-            (self.hidden if sampled else self.propose)(last, start=1, num_drafts=drafts)
+            if temperature > 0:
+                self.sample(last, 1, drafts, temperature, None)
+            else:
+                self.propose(last, start=1, num_drafts=drafts)
 
     def _write(self, features: torch.Tensor) -> None:
         """Context K/V of `features` [1, n, N*D] at positions start..start+n-1."""
@@ -234,10 +264,28 @@ class StaticDFlashProposer:
         block = self._block(last_token, start, num_drafts)
         return self.graphs("propose", block.shape[1], lambda: greedy_drafts(*self._inputs(block)))
 
-    def hidden(self, last_token: torch.Tensor, start: int, num_drafts: int) -> torch.Tensor:
-        """The drafter's hidden states [1, num_drafts, D] of that block (overwritten by the next call)."""
+    def sample(
+        self,
+        last_token: torch.Tensor,
+        start: int,
+        num_drafts: int,
+        temperature: float,
+        generator: torch.Generator | None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Sampled drafts of that block at `temperature` (block_drafts' tuple, overwritten by the next
+        call); the noise is drawn with `generator` as DFlashProposer draws it."""
         block = self._block(last_token, start, num_drafts)
-        return self.graphs("hidden", block.shape[1], lambda: draft_hidden(*self._inputs(block)))
+        width = block.shape[1]
+        if width not in self.noise:
+            self.noise[width] = torch.empty(noise_shape(self.drafter, self.target.lm_head, num_drafts),
+                                            device=block.device)  # fmt: skip
+        noise = self.noise[width].uniform_(generator=generator)
+
+        def run():
+            hidden = draft_hidden(*self._inputs(block))
+            return block_drafts(self.drafter, self.target.lm_head, hidden, block[:, 0], temperature, noise)
+
+        return self.graphs(f"sample at T = {temperature}", width, run)
 
     def _block(self, last_token: torch.Tensor, start: int, num_drafts: int) -> torch.Tensor:
         width = num_drafts + 1

@@ -139,6 +139,13 @@ class GroupedDynamicCausalConv(nn.Module):
         return block_causal_convolve(x, dynamic, self.base_kernel[side], self.group_size, self.block_size)
 
 
+def gumbel_max(scaled: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """A sample of softmax(scaled) along the last axis by the Gumbel-max trick: argmax(scaled + G) with
+    G = -log(-log U), U uniform on [0, 1) (`uniform`, same shape). Exact in law, and a pure function of
+    its inputs, so that a sampler with noise drawn up front replays in a CUDA graph."""
+    return (scaled - torch.log(-torch.log(uniform))).argmax(dim=-1)
+
+
 class SelectorPath(NamedTuple):
     """The selector's drafts for one block: tokens [b, P], the candidates [b, P, k] they were chosen from
     and, at T > 0, each position's proposal probabilities over its candidates [b, P, k] (None at T = 0)."""
@@ -184,20 +191,24 @@ class CandidateSelector(nn.Module):
         logits: torch.Tensor,
         anchor_ids: torch.Tensor,
         temperature: float,
-        generator: torch.Generator | None = None,
+        noise: torch.Tensor | None = None,
     ) -> SelectorPath:
         """Drafts for the draft positions: hidden [b, P, D], their logits [b, P, V], the anchor tokens [b].
         At T = 0 each position takes its best-scoring candidate; at T > 0 a sample of
-        softmax(scores / T), whose probabilities come back for the rejection step."""
+        softmax(scores / T), drawn by `gumbel_max` from `noise` [b, P, k] (uniform on [0, 1)), whose
+        probabilities come back for the rejection step. Noise instead of a generator: the walk then has
+        no host-side random state, so that it replays inside a CUDA graph."""
+        if temperature > 0 and noise is None:
+            raise ValueError("sampling the selector's path (T > 0) needs its uniform noise [b, P, k]")
         unary, candidates = logits.topk(self.top_k, dim=-1)
         gate = self.hidden_projection(hidden)
         previous, tokens, probs = anchor_ids, [], []
         for p in range(hidden.shape[1]):
             scores = unary[:, p] + self.pairwise(gate[:, p], previous, candidates[:, p])
             if temperature > 0:
-                q = torch.softmax(scores.float() / temperature, dim=-1)
-                pick = torch.multinomial(q, 1, generator=generator)[:, 0]
-                probs.append(q)
+                scaled = scores.float() / temperature
+                pick = gumbel_max(scaled, noise[:, p])
+                probs.append(torch.softmax(scaled, dim=-1))
             else:
                 pick = scores.argmax(dim=-1)
             previous = candidates[:, p].gather(-1, pick[:, None])[:, 0]

@@ -294,14 +294,15 @@ class DFlashDrafter(nn.Module):
         anchor_ids: torch.Tensor,
         lm_head: nn.Module,
         temperature: float,
-        generator: torch.Generator | None = None,
+        noise: torch.Tensor | None = None,
     ) -> SelectorPath:
         """DFlash2's drafts for one block: `hidden` [b, P, D] of its draft positions (slots 1.., the
-        anchor's row left out), `anchor_ids` [b] its slot-0 tokens; see CandidateSelector.select."""
+        anchor's row left out), `anchor_ids` [b] its slot-0 tokens, `noise` [b, P, k] uniform at T > 0; see
+        CandidateSelector.select."""
         if self.dflash2 is None:
             raise ValueError("a DFlash drafter has no candidate selector: its drafts are the logits' argmax")
         logits = self.logits(hidden, lm_head)
-        return self.candidate_selector.select(hidden, logits, anchor_ids, temperature, generator)
+        return self.candidate_selector.select(hidden, logits, anchor_ids, temperature, noise)
 
     def reset_dflash2_to_dflash_(self) -> None:
         """DFlash2's modules set so that the drafter drafts as its DFlash part alone at T = 0: identity
