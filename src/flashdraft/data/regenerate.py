@@ -2,7 +2,9 @@
 own distribution rather than the dataset author's (docs/dflash.md, training semantics).
 
 Turn by turn: assistant turn k is generated from the conversation with turns < k already rewritten, as
-the target sees it when serving; a conversation that ends with a user turn gets an answer appended. Two
+the target sees it when serving; a conversation that ends with a user turn gets an answer appended. A
+target without a chat template (a base model) continues {"prompt"} records as plain text instead, its
+completion written back as {"id", "prompt", "completion"} (formats.py: one rule for both backends). Two
 backends yield (conversation, result) pairs to one driver: `ServerBackend` talks to any OpenAI-compatible
 server (SGLang, vLLM) with bounded concurrency, timeouts and retries; `LocalBackend` batches `generate` on
 a transformers model, for small targets and tests. The driver appends one JSON line per finished record
@@ -24,6 +26,8 @@ from itertools import islice
 from pathlib import Path
 
 from flashdraft.data.formats import (
+    PROMPT,
+    TEXT,
     Conversation,
     ConversationError,
     SourceError,
@@ -33,6 +37,7 @@ from flashdraft.data.formats import (
     with_reasoning,
 )
 from flashdraft.data.progress import progress_bar
+from flashdraft.data.tokenize import no_template_message
 from flashdraft.model.grouped_attention import use_grouped_attention
 from flashdraft.model.target import default_device, stop_token_ids
 
@@ -47,6 +52,18 @@ class Regenerated:
 
 
 Outcome = tuple[Conversation, Regenerated | ConversationError]
+
+
+def check_regenerable(conv: Conversation, plain: bool, tokenizer=None) -> None:
+    """What a backend can regenerate: conversations and prompt records for a chat target; prompt
+    records alone for a target continued as plain text (`plain`). A {"text"} record has no prompt."""
+    if conv.kind == TEXT:
+        raise ConversationError(
+            "no_prompt",
+            'a {"text"} record has no prompt to continue: cut texts into prompts (`data prompts`)',
+        )
+    if plain and conv.kind != PROMPT:
+        raise ConversationError("no_chat_template", no_template_message(tokenizer))
 
 
 def answer_slots(messages: list[dict[str, str]]) -> list[dict[str, str]]:
@@ -76,8 +93,10 @@ class ServerBackend:
         timeout: float = 600.0,
         retries: int = 5,
         backoff: float = 1.0,
+        plain: bool = False,
     ):
         self.endpoint = chat_completions_url(url)
+        self.plain = plain  # prompt records continued through /v1/completions (a base model)
         self.model = model
         self.max_tokens = max_tokens
         self.temperature = temperature
@@ -107,6 +126,12 @@ class ServerBackend:
 
     def _regenerate(self, client, conv: Conversation) -> Regenerated | ConversationError:
         try:
+            check_regenerable(conv, self.plain)
+            if self.plain:
+                body = {"model": self.model, "prompt": conv.prompt, "max_tokens": self.max_tokens,
+                        "temperature": self.temperature}  # fmt: skip
+                text, cut = parse_text_completion(self._post(client, body, "/completions"))
+                return Regenerated([conv.messages[0], _answer(text)], int(cut))
             messages, truncated = answer_slots(conv.messages), 0
             for i, message in enumerate(messages):
                 if message["role"] == "assistant":
@@ -127,15 +152,16 @@ class ServerBackend:
             body["chat_template_kwargs"] = {"enable_thinking": self.enable_thinking}
         return parse_completion(self._post(client, body))
 
-    def _post(self, client, body: dict) -> dict:
+    def _post(self, client, body: dict, path: str = "/chat/completions") -> dict:
         """POST with retries on transport errors and retryable statuses, exponential backoff with jitter."""
         import httpx
 
+        endpoint = self.endpoint.removesuffix("/chat/completions") + path
         for attempt in range(self.retries + 1):
             if attempt:
                 time.sleep(min(self.backoff * 2 ** (attempt - 1), _MAX_BACKOFF_S) * random.uniform(1.0, 1.25))
             try:
-                response = client.post(self.endpoint, json=body)
+                response = client.post(endpoint, json=body)
             except httpx.TransportError as e:
                 error = f"{type(e).__name__}: {e}"
                 continue
@@ -174,6 +200,22 @@ def parse_completion(data: dict) -> tuple[str, bool]:
     if isinstance(reasoning, str) and reasoning.strip():
         content = with_reasoning(content, reasoning)
     return content, choice.get("finish_reason") == "length"
+
+
+def parse_text_completion(data: dict) -> tuple[str, bool]:
+    """(text, cut at max_tokens) of a plain-text completion (`/v1/completions`)."""
+    try:
+        choice = data["choices"][0]
+        text = choice["text"]
+    except (KeyError, IndexError, TypeError) as e:
+        raise ConversationError("bad_response", f"unexpected completion shape: {str(data)[:200]}") from e
+    if not isinstance(text, str):
+        raise ConversationError("bad_response", f"completion text is {type(text).__name__}")
+    return text, choice.get("finish_reason") == "length"
+
+
+def _answer(text: str) -> dict[str, str]:
+    return {"role": "assistant", "content": text}
 
 
 def bounded_map(fn: Callable, items: Iterable, workers: int) -> Iterator[tuple]:
@@ -255,6 +297,7 @@ class LocalBackend:
         elif attention is not None:
             self.model.set_attn_implementation(attention)
         self.attention_name = self.model.config._attn_implementation
+        self.plain = not tokenizer.chat_template  # prompt records continued as plain text (a base model)
         self.stop_ids = _stop_ids(model, tokenizer)
         if tokenizer.pad_token_id is None:  # batches are left-padded (masked); a copy pads with a stop id
             tokenizer = copy.deepcopy(tokenizer)
@@ -286,10 +329,6 @@ class LocalBackend:
 
         tokenizer = load_tokenizer(target)
         tokenizer.chat_template = chat_template or tokenizer.chat_template
-        if not tokenizer.chat_template:
-            raise ValueError(
-                f"{target}: the tokenizer has no chat template; supply one (--chat-template FILE)"
-            )
         device = default_device(device)
         source, load_kwargs = target_source(target)
         model = AutoModelForCausalLM.from_pretrained(source, dtype="auto", **load_kwargs).to(device)
@@ -322,7 +361,8 @@ class LocalBackend:
         batch = _Batch([], [], [], None)
         for conv in chunk:
             try:
-                batch.slotted.append(answer_slots(conv.messages))
+                check_regenerable(conv, self.plain, self.tokenizer)
+                batch.slotted.append(answer_slots(conv.messages[:1] if self.plain else conv.messages))
                 batch.todo.append(conv)
             except ConversationError as e:
                 batch.rejected.append((conv, e))
@@ -362,9 +402,12 @@ class LocalBackend:
         return [Regenerated(m, t) for m, t in zip(slotted, truncated, strict=True)]
 
     def _encode(self, prompts: list[list[dict]]) -> dict:
-        """Chat templates and tokens, left-padded, as numpy arrays (the CPU's part: a thread may run it)."""
+        """Chat templates and tokens, left-padded, as numpy arrays (the CPU's part: a thread may run it);
+        plain: the prompt records' text, with the tokenizer's own special tokens (formats.py)."""
         texts = [
-            self.tokenizer.apply_chat_template(
+            p[0]["content"]
+            if self.plain
+            else self.tokenizer.apply_chat_template(
                 p, tokenize=False, add_generation_prompt=True, **self.template_kwargs
             )
             for p in prompts
@@ -377,7 +420,7 @@ class LocalBackend:
                 return_tensors="np",  # then torch: 1.30 s against 1.59 (experiments/studies/regen_host.py)
                 padding=True,
                 padding_side="left",
-                add_special_tokens=False,
+                add_special_tokens=self.plain,  # a template writes its own
                 pad_to_multiple_of=self.PAD_MULTIPLE if self.cache == "static" else None,
             )
         )
@@ -491,6 +534,14 @@ class _Sink:
             self.fail(conv.id, conv.where, result)
             return
         record = {"id": conv.id, "messages": result.messages, "truncated_turns": result.truncated_turns}
+        if conv.kind == PROMPT:  # written back in its own form: prepare reads it by the same rule
+            prompt, answer = (m["content"] for m in result.messages)
+            record = {
+                "id": conv.id,
+                "prompt": prompt,
+                "completion": answer,
+                "truncated_turns": record["truncated_turns"],
+            }
         record |= self.mode
         _append(self.out_file, record)
         self.summary.regenerated += 1

@@ -17,6 +17,10 @@ reason and text. Each line names its batch and slot, and OUT.settings.json the s
 batch's samples: a run killed at any point resumes (same command) by sampling the first unfinished batch
 again from its seed and writing only the slots it lacks; a line cut short by the kill is dropped.
 
+A target without a chat template (a base model) has no user turn to write: it writes texts from its
+beginning-of-sequence token alone, and each, cut at `max_tokens` or where it ends, is kept as a
+`{"id", "prompt"}` record that `data regenerate` continues (the same drops, `no_end` aside).
+
 Written here because no maintained library samples Magpie-style from an arbitrary chat template;
 transformers' `generate` does the sampling.
 """
@@ -90,6 +94,19 @@ def user_turn_frame(tokenizer, system: str | None = None) -> tuple[str, list[int
     return prefix, sorted({first[0], *([eos] if eos is not None else [])})
 
 
+def text_frame(tokenizer) -> tuple[list[int], list[int]]:
+    """(the ids a text starts from, the ids that end it) for a target without a chat template: the
+    tokenizer's own special tokens before a text (its <bos>), and the end-of-sequence id."""
+    start = tokenizer("", add_special_tokens=True).input_ids
+    if not start:
+        raise ValueError(
+            "the tokenizer adds no beginning-of-sequence token and has no chat template: there is nothing "
+            "to sample a text from; give prompts (`data prompts --input FILES`)"
+        )
+    eos = tokenizer.eos_token_id
+    return start, [eos] if eos is not None else []
+
+
 def special_ids(tokenizer) -> set[int]:
     """The tokenizer's special tokens: its named ones and every added token marked special (a tokenizer
     converted from GGUF by transformers 5.17 names neither <|im_start|> nor <|im_end|>)."""
@@ -98,13 +115,14 @@ def special_ids(tokenizer) -> set[int]:
 
 
 def classify(
-    new_ids: list[int], end_ids: list[int], special_ids: set[int], tokenizer
+    new_ids: list[int], end_ids: list[int], special_ids: set[int], tokenizer, need_end: bool = True
 ) -> tuple[str, str | None]:
-    """(the turn's text, None) for a sample to keep, or (its text, the reason it is dropped)."""
+    """(the turn's text, None) for a sample to keep, or (its text, the reason it is dropped); a text
+    sampled for a prompt (`need_end` False) may stop at `max_tokens`."""
     ends = [i for i, t in enumerate(new_ids) if t in end_ids]
     body = new_ids[: ends[0]] if ends else new_ids
     text = tokenizer.decode(body, skip_special_tokens=False).strip()
-    if not ends:
+    if not ends and need_end:
         return text, "no_end"
     if any(t in special_ids for t in body):
         return text, "template_tokens"
@@ -166,13 +184,19 @@ def synthesize(
     _check_settings(settings_path_for(out), options.settings())
     kept_records, rejected_records = _read_lines(out), _read_lines(rejected)
     done = {(r["batch"], r["slot"]) for r in kept_records + rejected_records}
-    seen = {_key(r["messages"][0]["content"]) for r in kept_records}
+    seen = {_key(r["prompt"] if "prompt" in r else r["messages"][0]["content"]) for r in kept_records}
     summary = SynthesisSummary(len(kept_records), dict.fromkeys(REASONS, 0), 0, len(kept_records), rejected)
     batch = max((b for b, _ in done), default=0)  # the last batch begun; the next one if it is whole
     if done and all((batch, s) in done for s in range(options.batch_size)):
         batch += 1
-    prefix, end_ids = user_turn_frame(tokenizer, options.system)
-    prefix_ids = tokenizer(prefix, add_special_tokens=False).input_ids
+    plain = not tokenizer.chat_template
+    if plain and options.system is not None:
+        raise ValueError("a system message steers a chat template's user turn; this target has no template")
+    if plain:
+        prefix_ids, end_ids = text_frame(tokenizer)
+    else:
+        prefix, end_ids = user_turn_frame(tokenizer, options.system)
+        prefix_ids = tokenizer(prefix, add_special_tokens=False).input_ids
     special = special_ids(tokenizer) - set(end_ids)
     limit = options.max_samples or 8 * options.count
     with open(out, "a", encoding="utf-8") as out_file, open(rejected, "a", encoding="utf-8") as rej_file:
@@ -181,14 +205,14 @@ def synthesize(
                 if (batch, slot) in done or summary.kept >= options.count:
                     continue
                 summary.samples += 1
-                text, reason = classify(new_ids, end_ids, special, tokenizer)
+                text, reason = classify(new_ids, end_ids, special, tokenizer, need_end=not plain)
                 if reason is None and _key(text) in seen:
                     reason = "duplicate"
                 where = {"batch": batch, "slot": slot}
                 if reason is None:
                     seen.add(_key(text))
-                    turn = [{"role": "user", "content": text}]
-                    _append(out_file, {"id": f"synth-{batch:05d}-{slot:03d}", "messages": turn, **where})
+                    turn = {"prompt": text} if plain else {"messages": [{"role": "user", "content": text}]}
+                    _append(out_file, {"id": f"synth-{batch:05d}-{slot:03d}", **turn, **where})
                     summary.kept += 1
                     advance()
                 else:

@@ -1,4 +1,5 @@
-"""A conversation -> (input_ids, loss_mask) with the target's own chat template, whatever the template.
+"""A conversation -> (input_ids, loss_mask) with the target's own chat template, whatever the template;
+a plain-text record -> the same without one (`tokenize_plain`).
 
 Templates differ in role headers, end-of-turn tokens, whitespace trimming and how they show reasoning,
 and few mark assistant text with `{% generation %}`; so the assistant spans are found in the rendered
@@ -39,7 +40,9 @@ def tokenize_conversation(
     cannot be located, or no loss token is left (after truncation to `max_length`), and ValueError when
     there is no chat template at all.
     """
-    check_tokenizer(tokenizer, chat_template)
+    check_tokenizer(tokenizer)
+    if not has_chat_template(tokenizer, chat_template):
+        raise ValueError(no_template_message(tokenizer))
     render = _renderer(tokenizer, enable_thinking, chat_template)
     text = render(messages, False)
     spans = assistant_spans(render, messages, text, _closer_pattern(_special_tokens(tokenizer)))
@@ -50,6 +53,31 @@ def tokenize_conversation(
     return truncate(ids, mask, max_length) if max_length is not None else (ids, mask)
 
 
+def prompt_ids(tokenizer, prompt: str) -> list[int]:
+    """A plain-text prompt's token ids as a target without a chat template is given it: the tokenizer's
+    own special tokens added (Gemma's and Llama's <bos>)."""
+    return tokenizer(prompt, add_special_tokens=True).input_ids
+
+
+def tokenize_plain(tokenizer, prompt: str, completion: str) -> tuple[list[int], list[int]]:
+    """Token ids of a plain-text record and a mask that is 1 exactly on the completion's tokens.
+
+    The prompt and the completion are tokenized apart, as serving sees them: the prompt alone
+    (`prompt_ids`), then the tokens the target wrote after it. Tokenizing them joined would let a token
+    straddle the boundary (a prompt's final newline merged with the completion's indent) and train on a
+    split the target never sees. A {"text"} record is a completion with an empty prompt.
+    """
+    head = prompt_ids(tokenizer, prompt)
+    tail = tokenizer(completion, add_special_tokens=False).input_ids
+    if not tail:
+        raise ConversationError("no_loss_tokens", "the completion has no token")
+    return head + tail, [0] * len(head) + [1] * len(tail)
+
+
+def has_chat_template(tokenizer, chat_template: str | None = None) -> bool:
+    return bool(chat_template or getattr(tokenizer, "chat_template", None))
+
+
 def truncate(ids: list[int], mask: list[int], max_length: int) -> tuple[list[int], list[int]]:
     """The first `max_length` tokens; an error if none of them is a loss token."""
     ids, mask = ids[:max_length], mask[:max_length]
@@ -58,15 +86,18 @@ def truncate(ids: list[int], mask: list[int], max_length: int) -> tuple[list[int
     return ids, mask
 
 
-def check_tokenizer(tokenizer, chat_template: str | None) -> None:
-    """Fail early, once, on what would fail every conversation: no offsets, no template."""
+def check_tokenizer(tokenizer) -> None:
+    """Fail early, once, on what would fail every conversation: no offsets."""
     if not getattr(tokenizer, "is_fast", False):
         raise ValueError("loss masks need a fast (Rust) tokenizer, which reports character offsets")
-    if chat_template is None and not getattr(tokenizer, "chat_template", None):
-        raise ValueError(
-            f"tokenizer {getattr(tokenizer, 'name_or_path', '')!r} has no chat template; "
-            "supply one (--chat-template FILE)"
-        )
+
+
+def no_template_message(tokenizer) -> str:
+    return (
+        f"the target's tokenizer {getattr(tokenizer, 'name_or_path', '')!r} has no chat template: chat "
+        'records need one (--chat-template FILE); a base model trains on {"prompt", "completion"} or '
+        '{"text"} records'
+    )
 
 
 def assistant_spans(

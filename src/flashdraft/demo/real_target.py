@@ -443,6 +443,7 @@ def _evaluate(run: _Progress, target_dir: Path, sets: dict[str, list[dict]]) -> 
     """Stage 6: one `flashdraft eval` report per prompt set and temperature; a report starts only when
     this run has the longest one timed so far left."""
     from flashdraft.eval.report import compare_methods, print_table, write_report
+    from flashdraft.eval.spec import chat_messages
 
     scale, summary = run.scale, run.summary
     evals = summary.setdefault("eval", {})
@@ -459,7 +460,7 @@ def _evaluate(run: _Progress, target_dir: Path, sets: dict[str, list[dict]]) -> 
                     return True
                 started = time.time()
                 report = compare_methods(
-                    target_dir, summary["checkpoint"], [r["messages"] for r in records],
+                    target_dir, summary["checkpoint"], [chat_messages(r) for r in records],
                     scale.eval_tokens, temperature, device=scale.device, cuda_graphs=scale.cuda_graphs,
                 )  # fmt: skip
                 write_report(report, path)
@@ -543,11 +544,11 @@ def reference_on_prompts(
     """The drafter decoded by the reference `dflash` package at T = 0 on `records`, beside our tau on each
     (`flashdraft.eval.reference.reference_beside_ours`; the export goes to OUT/export/zlab)."""
     from flashdraft.eval.reference import reference_beside_ours
-    from flashdraft.eval.spec import encode_prompt
+    from flashdraft.eval.spec import chat_messages, encode_prompt
     from flashdraft.model.target import load_tokenizer
 
     tokenizer = load_tokenizer(target_dir)
-    ids = [encode_prompt(tokenizer, r["messages"]) for r in records]
+    ids = [encode_prompt(tokenizer, chat_messages(r)) for r in records]
     return reference_beside_ours(
         checkpoint, target_dir, ids, ours, scale.eval_tokens, scale.device, out / "export" / "zlab"
     )

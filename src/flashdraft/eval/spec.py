@@ -38,6 +38,7 @@ from typing import Protocol
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
+from flashdraft.data.tokenize import prompt_ids
 from flashdraft.eval.ngram import NgramProposer
 from flashdraft.eval.static import (
     Graphs,
@@ -406,7 +407,16 @@ def read_prompts(path: str | Path, limit: int | None = None) -> list[list[dict]]
 
 
 def encode_prompt(tokenizer, messages: list[dict], thinking: bool = False) -> list[int]:
-    """Token ids of the chat template with the generation prompt (`enable_thinking` set as given)."""
+    """Token ids of the chat template with the generation prompt (`enable_thinking` set as given). A
+    target without a chat template is given a {"prompt"} record's text as it is (flashdraft.data.formats:
+    the same rule as its training data), with the tokenizer's own special tokens."""
+    if not tokenizer.chat_template:
+        if len(messages) != 1 or messages[0]["role"] != "user":
+            raise ValueError(
+                'the target has no chat template: a prompt for it is one {"prompt": TEXT} record, '
+                f"not a conversation of {len(messages)} turns"
+            )
+        return prompt_ids(tokenizer, messages[0]["content"])
     text = tokenizer.apply_chat_template(
         messages, tokenize=False, add_generation_prompt=True, enable_thinking=thinking
     )
