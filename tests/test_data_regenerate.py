@@ -82,6 +82,10 @@ class _Handler(BaseHTTPRequestHandler):
 
     def do_POST(self):
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        if self.path == "/v1/completions":  # plain text: the prompt continued by `+cont`
+            self.server.requests.append(body)
+            self.reply(200, {"choices": [{"text": "+cont", "finish_reason": "length"}]})
+            return
         self.reply(*(self.server.answer(body) if self.path == "/v1/chat/completions" else (404, {})))
 
     def reply(self, status: int, reply: dict) -> None:
@@ -188,6 +192,24 @@ def test_a_prompt_without_answer_gets_one_appended(fake_server, tmp_path):
     )
     regenerate_file(backend(server), str(tmp_path / "in.jsonl"), tmp_path / "o", progress=False)
     assert read_jsonl(tmp_path / "o")[0]["messages"][-1] == {"role": "assistant", "content": "ans0:hi"}
+
+
+def test_completions_continue_prompt_records_as_plain_text(fake_server, tmp_path):
+    """--completions (a base model behind the server): {"prompt"} records go to /v1/completions as they
+    are and come back as {"prompt", "completion"}; a chat record is failed with its reason."""
+    server = fake_server()
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text(
+        json.dumps({"id": "p", "prompt": "def f(x):\n"}) + "\n" + json.dumps(conversation(1, 1)) + "\n"
+    )
+    args = ["regenerate", "--target", "t", "--server", server.url, "--input", str(src), "--out", str(out)]
+    result = CliRunner().invoke(data_app, [*args, "--completions", "--no-progress"])
+    assert result.exit_code == 1  # the chat record failed
+    [record] = [json.loads(line) for line in out.read_text().splitlines()]
+    assert record == {"id": "p", "prompt": "def f(x):\n", "completion": "+cont", "truncated_turns": 1}
+    assert server.requests[0]["prompt"] == "def f(x):\n" and "messages" not in server.requests[0]
+    [failed] = [json.loads(line) for line in failed_path_for(out).read_text().splitlines()]
+    assert failed["id"] == "r1" and failed["reason"] == "no_chat_template"
 
 
 def test_failures_are_recorded_with_their_reason_and_retried_by_the_next_run(fake_server, tmp_path):
