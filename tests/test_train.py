@@ -12,7 +12,7 @@ from flashdraft.cli.main import app
 from flashdraft.data.packing import save_token_dataset
 from flashdraft.model.checkpoint import latest_checkpoint, load_drafter, save_checkpoint
 from flashdraft.model.drafter import Visibility
-from flashdraft.train.build import resolve_mask_token_id
+from flashdraft.train.mask import choose_mask_token
 from flashdraft.train.step import Kernels, micro_step_loss, plan_micro_batch
 from flashdraft.train.trainer import cosine_lr, resolve_attention
 from helpers import BLOCK, GAMMA, MASK_ID, packed_batch, random_docs, target_and_drafter
@@ -110,11 +110,12 @@ def test_checkpoint_is_the_zlab_layout_and_reloads_to_the_same_outputs(tmp_path)
     torch.testing.assert_close(a, b)
 
 
-def test_mask_token_id_resolution(tiny_tokenizer):
-    assert resolve_mask_token_id(tiny_tokenizer, len(tiny_tokenizer), None) == tiny_tokenizer.mask_token_id
-    assert resolve_mask_token_id(tiny_tokenizer, 500, 450) == 450
+def test_mask_token_id_resolution(tiny_tokenizer):  # every rule: tests/test_mask_token.py
+    mask = choose_mask_token(tiny_tokenizer, len(tiny_tokenizer), None, None)
+    assert mask.id == tiny_tokenizer.mask_token_id
+    assert choose_mask_token(tiny_tokenizer, 500, 450, None).id == 450
     with pytest.raises(ValueError, match="not a row"):
-        resolve_mask_token_id(tiny_tokenizer, 500, 500)
+        choose_mask_token(tiny_tokenizer, 500, 500, None)
 
 
 def test_cosine_schedule_warms_up_then_decays():
@@ -153,6 +154,8 @@ def test_train_command_writes_a_run_directory(tmp_path, tiny_target_dir, tiny_to
         ],
     )  # fmt: skip
     assert result.exit_code == 0, result.output
+    mask = f"mask token {tiny_tokenizer.mask_token_id} '<|mask|>' (the tokenizer's mask token; drafter.mask"
+    assert mask in result.output
     assert (run / "config.yaml").exists() and (run / "train.log").exists()
     lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in lines] == [2, 4]

@@ -9,7 +9,7 @@ from __future__ import annotations
 import copy
 import importlib.util
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,6 +33,8 @@ from flashdraft.model.target import (
 )
 from flashdraft.run.provenance import check_data_fits_target, check_resume_record, run_record
 from flashdraft.train.compile import start_compile_workers
+from flashdraft.train.mask import FIELD as MASK_FIELD
+from flashdraft.train.mask import choose_mask_token, count_tokens
 from flashdraft.train.trainer import Trainer, compiles
 
 
@@ -54,13 +56,16 @@ class RunSource:
     target_config: the whole target's. load_target(layers, device, attention): (model, tokenizer)
     holding the first `layers` decoder layers (None: all). batches(cfg, model, tokenizer, packing): the
     Batches. target_record(model): what a checkpoint records of the target. load_sharded(layers, topo,
-    attention): as load_target, the layers sharded over the rank's target group (None: not offered)."""
+    attention): as load_target, the layers sharded over the rank's target group (None: not offered).
+    token_counts(ids): how often each id occurs in the training data, which a MASK token chosen from the
+    tokenizer's special tokens must not hold (train/mask.py; None: the source cannot say)."""
 
     target_config: Any
     load_target: Callable[[int | None, torch.device, str], tuple]
     batches: Callable[[TrainConfig, Any, Any, str], Batches]
     target_record: Callable[[Any], dict]
     load_sharded: Callable[[int | None, Topology, str], tuple] | None = None
+    token_counts: Callable[[Sequence[int]], Sequence[int]] | None = None
 
 
 def path_source(target_path: str, data_dir: str) -> RunSource:
@@ -98,6 +103,7 @@ def path_source(target_path: str, data_dir: str) -> RunSource:
         batches,
         lambda model: target_record(target_path, model),
         load_sharded,
+        lambda ids: count_tokens(load_token_dataset(data_dir), ids),
     )
 
 
@@ -126,7 +132,14 @@ def build(config: RunConfig, source: RunSource | None = None) -> Trainer:
         text = whole.get_text_config()
         check_dflash2(dflash2_of(cfg), text.hidden_size, text.vocab_size, cfg.drafter.sliding_window)
     model, tokenizer = load_target_layers(cfg, source, topo, layers_to_load(cfg, topo, tap_ids(cfg, whole)))
-    drafter, target = drafter_and_target(cfg, model, tokenizer, topo, whole)
+    mask = choose_mask_token(
+        tokenizer,
+        model.get_input_embeddings().num_embeddings,
+        cfg.drafter.mask_token_id,  # an init_from drafter's, when it has one
+        source.token_counts,
+        "the init_from drafter's" if cfg.init_from else MASK_FIELD,
+    )
+    drafter, target = drafter_and_target(cfg, model, mask.id, topo, whole)
     if cfg.target_fp8:  # after the packing probe, which differentiates through the target
         from flashdraft.model.fp8 import to_fp8_
 
@@ -149,7 +162,7 @@ def build(config: RunConfig, source: RunSource | None = None) -> Trainer:
         mirror = S3Mirror(run.s3)
     return Trainer(
         cfg, target, drafter, batches.stream, steps, topo, out, batches.record, run.resume,
-        val_loader=batches.val, tau_probe=probe, mirror=mirror,
+        val_loader=batches.val, tau_probe=probe, mirror=mirror, mask=mask,
     )  # fmt: skip
 
 
@@ -295,20 +308,19 @@ def with_init_from(cfg: TrainConfig, target_config) -> TrainConfig:
 
 
 def drafter_and_target(
-    cfg: TrainConfig, model, tokenizer, topo: Topology, target_config=None
+    cfg: TrainConfig, model, mask_id: int, topo: Topology, target_config=None
 ) -> tuple[DFlashDrafter, Target]:
-    """The run's drafter (initialised from the seed, or the init_from drafter) and the Target it reads,
-    packed as the target needs (`choose_packing`, measured on a target rank and shared with the drafter
-    ranks of a split layout): what `build` gives the Trainer. `tokenizer` may be None when
-    drafter.mask_token_id is set; `target_config` is the whole target's when `model` holds only its
-    first layers."""
+    """The run's drafter (initialised from the seed with MASK `mask_id`, or the init_from drafter) and the
+    Target it reads, packed as the target needs (`choose_packing`, measured on a target rank and shared
+    with the drafter ranks of a split layout): what `build` gives the Trainer. `target_config` is the
+    whole target's when `model` holds only its first layers."""
     whole = target_config or model.config
     if cfg.init_from:
         drafter = load_drafter(cfg.init_from, topo.device)
         if cfg.drafter.architecture == "dflash2" and drafter.dflash2 is None:
             drafter = dflash2_from_dflash(drafter, dflash2_of(cfg), _init_std(model), cfg.seed)
     else:
-        drafter = build_drafter(cfg, model, tokenizer, topo.device, whole)
+        drafter = build_drafter(cfg, model, mask_id, topo.device, whole)
     asked = cfg.data.one_document_per_row
     ids = drafter.target_layer_ids
     packing = "one_document" if asked else choose_packing(model, ids) if topo.is_target else None
@@ -323,13 +335,10 @@ def drafter_and_target(
     return drafter, Target(model, ids, packing, config=whole)
 
 
-def build_drafter(cfg: TrainConfig, model, tokenizer, device, target_config=None) -> DFlashDrafter:
+def build_drafter(cfg: TrainConfig, model, mask_id: int, device, target_config=None) -> DFlashDrafter:
     """A drafter for `model` (`target_config`: the whole target's, when the model holds only its first
-    layers), initialised from the seed."""
+    layers) with MASK `mask_id` (`choose_mask_token`), initialised from the seed."""
     spec = cfg.drafter
-    mask_id = resolve_mask_token_id(
-        tokenizer, model.get_input_embeddings().num_embeddings, spec.mask_token_id
-    )
     dcfg = drafter_config(
         target_config or model.config,
         num_layers=spec.num_layers,
@@ -373,25 +382,6 @@ def dflash2_from_dflash(
     init_drafter_(upgraded, std, seed)
     upgraded.load_state_dict(upgraded.state_dict() | drafter.state_dict())  # strict: every DFlash weight
     return upgraded.to(drafter.fc.weight.device)
-
-
-def resolve_mask_token_id(tokenizer, embedding_rows: int, requested: int | None) -> int:
-    """The MASK id must be an existing embedding row. Default: the tokenizer's mask token if it has
-    one, else the first embedding row past the tokenizer's vocabulary (151669 for Qwen3)."""
-    if requested is not None:
-        mask_id = requested
-    elif getattr(tokenizer, "mask_token_id", None) is not None:
-        mask_id = tokenizer.mask_token_id
-    elif len(tokenizer) < embedding_rows:
-        mask_id = len(tokenizer)
-    else:
-        raise ValueError(
-            "the target's embedding has no row beyond its tokenizer and the tokenizer has no mask token: "
-            "set drafter.mask_token_id to a rarely used token id"
-        )
-    if not 0 <= mask_id < embedding_rows:
-        raise ValueError(f"mask_token_id {mask_id} is not a row of the {embedding_rows}-row embedding")
-    return int(mask_id)
 
 
 def init_drafter_(drafter: DFlashDrafter, std: float, seed: int) -> None:

@@ -47,6 +47,7 @@ from flashdraft.train.compile import (
 )
 from flashdraft.train.features import LocalFeatures, ReceivedFeatures
 from flashdraft.train.flops import matmul_tflops, mfu, micro_batch_flops
+from flashdraft.train.mask import MaskChoice
 from flashdraft.train.metrics import MetricsLogger, StepStats, Window
 from flashdraft.train.probes import autocast, measure_tau, sum_over_drafters_, validate
 from flashdraft.train.state import Checkpointer, NonFiniteError, write_fingerprint
@@ -110,13 +111,14 @@ class Trainer:
         val_loader: PackedLoader | None = None,
         tau_probe: tuple | None = None,
         mirror: S3Mirror | None = None,
+        mask: MaskChoice | None = None,
     ):
         """target: taps the drafter's layers; its packing is how the rows of `stream` hold documents
         (`flashdraft.model.target.choose_packing`). A drafter rank of a split layout holds the target's
         embedding and lm_head alone (`load_target(layers=0)`). val_loader: held-out conversations
         (`val_data`); tau_probe: (tokenizer, prompts) for tau during training (`eval_every`); mirror: the
         S3 mirror of the run's checkpoints and files; meta: what the run records of its target and
-        data."""
+        data; mask: how the drafter's MASK token was chosen, named on the start-up lines."""
         target.require_taps(drafter.target_layer_ids)
         self.cfg = cfg
         self.topo = topo or Topology(device=next(drafter.parameters()).device)
@@ -128,6 +130,8 @@ class Trainer:
         if self.topo.is_main:
             print(self.target.describe(), flush=True)
             print(drafter.describe(), flush=True)
+            if mask is not None:
+                print(mask.describe(), flush=True)
         self.stream = stream
         self.total_steps = total_steps
         self.out = Path(out_dir) if out_dir else None
