@@ -8,7 +8,9 @@ converter (`conversion/qwen.py`, `DFlashModel`) and its loader (`src/models/dfla
 
 - `general.architecture` "dflash"; the draft Qwen3 shape under `dflash.*`; `dflash.block_size`;
   `dflash.target_layers` = z-lab `target_layer_ids` + 1 (llama.cpp extracts a layer's input, which is the
-  previous layer's output); the mask token as `tokenizer.ggml.mask_token_id`;
+  previous layer's output); the mask token as `tokenizer.ggml.mask_token_id`; for a Gemma target
+  `dflash.embedding_scale` = sqrt(hidden_size), by which llama.cpp multiplies the target's embedding rows
+  of the block (the converter's default for Gemma targets; `Target.embed` trains on the same product);
 - the tokenizer: every `tokenizer.*` key of the target's own GGUF, the file llama-server serves, so the
   drafter's vocabulary is the one the server checks it against (the converter rebuilds the same keys
   from the target's HF tokenizer);
@@ -206,7 +208,7 @@ def _add_dflash(writer: gguf.GGUFWriter, cfg: dict, target: TargetGGUF) -> None:
         writer.add_logit_scale(float(dflash["output_multiplier"]))
     if float(dflash.get("final_logit_softcapping") or 0) > 0:
         writer.add_final_logit_softcapping(float(dflash["final_logit_softcapping"]))
-    if target.arch.startswith("gemma"):  # the draft shares Gemma's embeddings, scaled by sqrt(hidden)
+    if target.arch.startswith("gemma"):  # the scale of the block input it trained on (Target.embed)
         writer.add_embedding_scale(target.hidden_size**0.5)
     writer.add_array(f"{ARCH}.target_layers", [i + 1 for i in dflash["target_layer_ids"]])
     use_swa = cfg.get("use_sliding_window", False) or dflash.get("use_swa", False)

@@ -12,7 +12,9 @@ The rest follows build 11434's converter (`conversion/base.py` `TextModel.set_gg
 `get_vocab_base`, `conversion/llama.py`, `conversion/qwen.py`): tensor names from gguf's own name map,
 Llama's q and k rows permuted to llama.cpp's rotary layout (Qwen ropes in the NeoX layout, unpermuted),
 matrices in f32 or f16 and norms in f32. What llama.cpp would serve differently from transformers is
-refused with the reason: other architectures, RoPE scalings, sliding windows and tokenizers.
+refused with the reason: other architectures, RoPE scalings, sliding windows and tokenizers. Gemma 3 text
+models (their SentencePiece vocabulary, norms, RoPE per layer kind and sliding window) follow the
+converter's `Gemma3Model` in flashdraft.export.gguf_gemma3.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import gguf
 import numpy as np
 import torch
 
+from flashdraft.export import gguf_gemma3
 from flashdraft.export.gguf_drafter import GGUF_SUFFIX, _add_rope, add_layer_shape
 
 # HF architecture -> llama.cpp architecture (conversion/__init__.py maps Mistral to Llama's converter)
@@ -34,6 +37,7 @@ ARCHITECTURES = {
     "MistralForCausalLM": gguf.MODEL_ARCH.LLAMA,
     "Qwen2ForCausalLM": gguf.MODEL_ARCH.QWEN2,
     "Qwen3ForCausalLM": gguf.MODEL_ARCH.QWEN3,
+    "Gemma3ForCausalLM": gguf.MODEL_ARCH.GEMMA3,
 }
 DTYPES = {"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16}
 
@@ -82,6 +86,8 @@ def model_problems(cfg: dict) -> list[str]:
     arch = (cfg.get("architectures") or ["?"])[0]
     if arch not in ARCHITECTURES:
         return [f"architecture {arch}: the target conversion supports {sorted(ARCHITECTURES)}"]
+    if ARCHITECTURES[arch] == gguf_gemma3.ARCH:
+        return gguf_gemma3.model_problems(cfg)
     problems = []
     rope_type = cfg["rope"].get("rope_type", "default")
     if rope_type not in _SERVED_ROPE:
@@ -195,7 +201,8 @@ def _add_tokenizer(writer: gguf.GGUFWriter, src: Path, pre: str, state: dict, vo
 
 def _add_shape(writer: gguf.GGUFWriter, cfg: dict, arch: gguf.MODEL_ARCH, dtype: str) -> None:
     add_layer_shape(writer, cfg)
-    _add_rope(writer, cfg["rope"])
+    if arch != gguf_gemma3.ARCH:  # Gemma 3's RoPE differs by layer kind (gguf_gemma3.add_shape)
+        _add_rope(writer, cfg["rope"])
     writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     writer.add_key_length(cfg["head_dim"])
     writer.add_value_length(cfg["head_dim"])
@@ -203,6 +210,8 @@ def _add_shape(writer: gguf.GGUFWriter, cfg: dict, arch: gguf.MODEL_ARCH, dtype:
     if arch == gguf.MODEL_ARCH.LLAMA:  # LlamaModel.set_gguf_parameters
         writer.add_vocab_size(cfg["vocab_size"])
         writer.add_rope_dimension_count(cfg["head_dim"])
+    elif arch == gguf_gemma3.ARCH:
+        gguf_gemma3.add_shape(writer, cfg)
 
 
 def _rotary_layout(w: torch.Tensor, heads: int) -> torch.Tensor:
@@ -266,6 +275,8 @@ def _converted(weights: _Weights, name: str, cfg: dict, arch: gguf.MODEL_ARCH, d
             w = _rotary_layout(w, cfg["num_attention_heads"])
         elif ".k_proj." in name:
             w = _rotary_layout(w, cfg["num_key_value_heads"])
+    elif arch == gguf_gemma3.ARCH:
+        w = gguf_gemma3.converted(name, w)
     return w.numpy().astype(_stored_dtype(w.ndim, dtype))
 
 
@@ -276,17 +287,21 @@ def write_gguf_target(src: str | Path, out: str | Path, dtype: str = "f32") -> P
     if dtype not in DTYPES:
         raise ValueError(f"dtype {dtype!r}: choose one of {list(DTYPES)}")
     cfg = _config(src)
-    tokenizer_json = src / "tokenizer.json"
-    if not tokenizer_json.is_file():
-        raise ValueError(f"{src}: no tokenizer.json (the conversion reads fast tokenizers only)")
-    state = json.loads(tokenizer_json.read_text())
-    pre, problems = bpe_pre_tokenizer(state)
-    problems = model_problems(cfg) + problems
+    problems = model_problems(cfg)
+    arch = ARCHITECTURES.get((cfg.get("architectures") or ["?"])[0])
+    if arch == gguf_gemma3.ARCH:
+        spm, vocab_problems = gguf_gemma3.read_vocab(src, cfg["vocab_size"])
+    else:
+        tokenizer_json = src / "tokenizer.json"
+        if not tokenizer_json.is_file():
+            raise ValueError(f"{src}: no tokenizer.json (the conversion reads fast tokenizers only)")
+        state = json.loads(tokenizer_json.read_text())
+        pre, vocab_problems = bpe_pre_tokenizer(state)
+    problems += vocab_problems
     if problems:
         raise ValueError(
             f"{src}: llama.cpp cannot serve this target as transformers runs it:\n  " + "\n  ".join(problems)
         )
-    arch = ARCHITECTURES[cfg["architectures"][0]]
     weights = _Weights(src)
     plan = _tensor_plan(weights, cfg, arch)
 
@@ -296,7 +311,10 @@ def write_gguf_target(src: str | Path, out: str | Path, dtype: str = "f32") -> P
     writer.add_type(gguf.GGUFType.MODEL)
     writer.add_name(src.name)
     _add_shape(writer, cfg, arch, dtype)
-    _add_tokenizer(writer, src, pre, state, cfg["vocab_size"])
+    if arch == gguf_gemma3.ARCH:
+        spm.add_to(writer, src)
+    else:
+        _add_tokenizer(writer, src, pre, state, cfg["vocab_size"])
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
     for name, gguf_name in plan.items():  # shapes first, then the data one tensor at a time
         shape = weights.shape(name)

@@ -28,10 +28,16 @@ CONFIG = "config.json"
 LATEST = "LATEST"
 
 
+def input_embedding_scale(cfg) -> float:
+    """The factor of the block's embedding rows a drafter was trained with (Target.embedding_scale)."""
+    return float(getattr(cfg, "input_embedding_scale", None) or 1.0)
+
+
 def zlab_config(drafter: DFlashDrafter) -> dict:
     cfg = drafter.config
     out = cfg.to_dict()
-    for key in ("target_layer_ids", "mask_token_id", "block_size", "num_target_layers", "dflash2", *_DERIVED):
+    for key in ("target_layer_ids", "mask_token_id", "block_size", "num_target_layers", "dflash2",
+                "input_embedding_scale", *_DERIVED):  # fmt: skip
         out.pop(key, None)
     ids = [int(i) for i in cfg.target_layer_ids]
     out.update(
@@ -47,6 +53,9 @@ def zlab_config(drafter: DFlashDrafter) -> dict:
             "mask_token_id": int(cfg.mask_token_id),
             "target_layer_ids": ids,
             "block_size": int(cfg.block_size),
+            # the factor the block's embedding rows were trained with (a Gemma target's sqrt(hidden_size)),
+            # as the reference package and llama.cpp's converter read it; absent: 1
+            **({"input_embedding_scale": scale} if (scale := input_embedding_scale(cfg)) != 1.0 else {}),
         },
         # what older vLLM builds read instead of dflash_config: the ids numbered from the embedding output
         eagle_aux_hidden_state_layer_ids=[i + 1 for i in ids],
@@ -194,6 +203,8 @@ def load_drafter(
     cfg.mask_token_id = int(dflash["mask_token_id"])
     cfg.block_size = int(dflash.get("block_size", raw.get("block_size", 16)))
     cfg.num_target_layers = int(raw["num_target_layers"])
+    if "input_embedding_scale" in dflash:
+        cfg.input_embedding_scale = float(dflash["input_embedding_scale"])
     if dflash2:
         cfg.dflash2 = DFlash2Settings.from_dflash_config(dflash).as_dict()
     return drafter_from_state(cfg, read_weights(ckpt_dir / WEIGHTS), device, dtype)

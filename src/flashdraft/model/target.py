@@ -85,6 +85,22 @@ def _mask_builders() -> dict:
     }
 
 
+def embedding_scale(embedding: nn.Module) -> float:
+    """The factor a target's input-embedding module multiplies its rows by in its forward: transformers'
+    scaled embeddings (Gemma 1 to 4) keep it exactly as `scalar_embed_scale` (sqrt(hidden_size)); their
+    `embed_scale` buffer holds it in the model's dtype, rounded. A plain lookup scales by 1. A module with
+    an `embed_scale` but no exact value is refused rather than guessed."""
+    scale = getattr(embedding, "scalar_embed_scale", None)
+    if scale is not None:
+        return float(scale)
+    if hasattr(embedding, "embed_scale"):
+        raise TypeError(
+            f"{type(embedding).__name__} scales its rows (embed_scale) without the exact factor "
+            "(scalar_embed_scale): flashdraft cannot tell what a drafter's block input must be"
+        )
+    return 1.0
+
+
 class Target:
     """A frozen causal LM that returns the outputs of layers `layer_ids` (0-based; -1 is the token
     embedding, which an ablation taps alone to train a drafter that sees no target features).
@@ -167,11 +183,23 @@ class Target:
     def lm_head(self) -> nn.Linear:
         return self.model.get_output_embeddings()
 
+    @property
+    def embedding_scale(self) -> float:
+        """The factor the target's embedding module applies to its rows (`embedding_scale`)."""
+        return embedding_scale(self.embed_tokens)
+
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """The drafter's block input: rows of the target's embedding table, unscaled. The reference
-        package and the engines look the table up directly, so a scale the target's embedding module
-        applies in its forward (Gemma's sqrt(hidden_size)) is not part of a drafter's input."""
-        return F.embedding(input_ids, self.embed_tokens.weight)
+        """The drafter's block input: rows of the target's embedding table times `embedding_scale`
+        (Gemma's sqrt(hidden_size), 1 for the other families), what the engines feed a DFlash drafter.
+        llama.cpp (build 11434) looks the target's table up and multiplies by the drafter GGUF's
+        `dflash.embedding_scale` (src/models/dflash.cpp), which its converter sets to sqrt(hidden_size)
+        for a Gemma target (conversion/qwen.py, DFlashModel.set_gguf_parameters), as our export does;
+        the reference package's MLX backend multiplies by the target's own `embed_scale`. The factor is
+        a Python float, so the product is computed in f32 and rounded once, as llama.cpp's f32 scale is
+        (the module's own forward multiplies by its scale rounded to the table's dtype first)."""
+        rows = F.embedding(input_ids, self.embed_tokens.weight)
+        scale = self.embedding_scale
+        return rows if scale == 1.0 else rows * scale
 
     @torch.no_grad()
     def features(

@@ -27,6 +27,7 @@ from flashdraft.model.target import (
     Target,
     choose_packing,
     decoder_layers,
+    embedding_scale,
     load_target,
     target_config,
     target_record,
@@ -355,6 +356,9 @@ def build_drafter(cfg: TrainConfig, model, mask_id: int, device, target_config=N
         sliding_window=spec.sliding_window,
         dflash2=dflash2_of(cfg),
     )
+    scale = embedding_scale(model.get_input_embeddings())
+    if scale != 1.0:  # a Gemma target's: recorded for the engines and the reference (checkpoint.zlab_config)
+        dcfg.input_embedding_scale = scale
     drafter = DFlashDrafter(dcfg).to(device=device, dtype=torch.float32)
     init_drafter_(drafter, _init_std(model), seed=cfg.seed)
     return drafter
