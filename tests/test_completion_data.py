@@ -161,3 +161,19 @@ def test_an_eval_prompt_for_a_base_model_is_its_text(base):
     assert encode_prompt(tok, [{"role": "user", "content": "def f("}]) == prompt_ids(tok, "def f(")
     with pytest.raises(ValueError, match="no chat template"):
         encode_prompt(tok, [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}])
+
+
+def test_prompts_skip_excluded_folders_and_stop_at_a_count(base, tmp_path):
+    from flashdraft.data.prefixes import write_prefix_prompts
+
+    tree = tmp_path / "tree"
+    for folder in ("pkg", "tests"):
+        (tree / folder).mkdir(parents=True)
+        for f in stdlib_files(limit=3):
+            (tree / folder / f.name).write_text(f.read_text(errors="replace"))
+    out = tmp_path / "p.jsonl"
+    summary = write_prefix_prompts([tree], base.tokenizer, out, 8, 40, 2, 0, "*.py", ("tests",), 5)
+    ids = [r["id"] for r in records(out)]
+    assert len(ids) == 5 and all(i.startswith("pkg/") for i in ids) and summary.files == 3
+    whole = write_prefix_prompts([tree], base.tokenizer, out, 8, 40, 2, 0, "*.py")
+    assert whole.files == 6 and whole.prompts == 12

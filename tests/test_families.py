@@ -267,6 +267,40 @@ def test_fixed_shape_decoding_matches_or_is_refused_with_its_reason(family, fitt
         assert fixed.tokens == dynamic.tokens and fixed.accept_lengths == dynamic.accept_lengths
 
 
+def test_a_sliding_window_target_decodes_on_fixed_shapes_within_its_window():
+    """Gemma 3 with a window that holds every decoded position (Gemma 3 270M's 512 holds a HumanEval
+    prompt and 192 new tokens): its sliding layers' static caches are plain ones, and the drafts a trained
+    drafter proposes are verified as without fixed shapes; past the window it is refused."""
+    tokens = dict(vocab_size=96, eos_token_id=1, pad_token_id=0)
+    config = families.family_config("gemma3_text", **tokens)
+    config.sliding_window = 64
+    torch.manual_seed(0)
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        model.get_output_embeddings().weight.normal_(0.0, 0.5, generator=torch.Generator().manual_seed(0))
+    drafter = DFlashDrafter(drafter_config(model.config, 2, None, 2, BLOCK, 95))
+    init_drafter_(drafter, std=0.1, seed=0)
+    target = Target(model, drafter.target_layer_ids)
+    prompts = [
+        torch.randint(2, 90, (12,), generator=torch.Generator().manual_seed(i)).tolist() for i in range(2)
+    ]
+    train_on_continuations(drafter, target, prompts, steps=40)
+    drafter.eval()
+    static, proposer = static_decoders(target, drafter, prompts, NEW_TOKENS, BLOCK)  # 12 + 24 + 8 <= 64
+    accepted = 0
+    for prompt in prompts:
+        ids = torch.tensor([prompt])
+        dynamic = generate(target, ids, NEW_TOKENS, DFlashProposer(drafter, target), BLOCK)
+        fixed = generate(target, ids, NEW_TOKENS, proposer, BLOCK, static=static)
+        assert fixed.tokens == dynamic.tokens and fixed.accept_lengths == dynamic.accept_lengths
+        accepted += sum(a - 1 for a in fixed.accept_lengths)
+    assert accepted > 0  # verified drafts were accepted: the cache rewound past rejected ones too
+    with pytest.raises(ValueError, match="static decoding needs a plain static KV cache"):
+        static_decoders(target, drafter, prompts, 64, BLOCK)
+
+
 def test_flashdraft_eval_decodes_as_plain_decoding(family, run):
     prompts = family.root / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ("def add(a, b):", "import os")))

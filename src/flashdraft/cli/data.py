@@ -269,6 +269,10 @@ def prompts(
     input: list[Path] = typer.Option(..., "--input", help="a text file or a directory (repeatable)"),
     out: Path = typer.Option(..., help='output JSONL of {"id", "prompt"} records'),
     glob: str = typer.Option("*", help="names of the files read in a directory, e.g. '*.py'"),
+    exclude: list[str] = typer.Option([], help="a folder name not to read in a directory (repeatable)"),
+    count: int | None = typer.Option(
+        None, min=1, help="at most this many prompts, from files read in an order the seed shuffles"
+    ),
     min_tokens: int = typer.Option(16, min=1, help="shortest prompt in tokens"),
     max_tokens: int = typer.Option(256, min=1, help="longest prompt in tokens"),
     per_file: int = typer.Option(4, min=1, help="prompts cut from each file (at most)"),
@@ -281,7 +285,16 @@ def prompts(
 
     try:
         summary = write_prefix_prompts(
-            input, load_tokenizer(target), out, min_tokens, max_tokens, per_file, seed, glob
+            input,
+            load_tokenizer(target),
+            out,
+            min_tokens,
+            max_tokens,
+            per_file,
+            seed,
+            glob,
+            tuple(exclude),
+            count,
         )
     except (OSError, ValueError) as e:
         _fail(str(e))

@@ -27,15 +27,18 @@ class PrefixSummary:
     prompts: int
 
 
-def input_files(paths: list[str | Path], pattern: str) -> list[tuple[Path, str]]:
+def input_files(
+    paths: list[str | Path], pattern: str, exclude: tuple[str, ...] = ()
+) -> list[tuple[Path, str]]:
     """(file, its name relative to the input it came from) for every file under `paths` (a directory
-    is walked for names matching `pattern`), in a fixed order."""
+    is walked for names matching `pattern`, skipping folders named in `exclude`), in a fixed order."""
     files = []
     for p in map(Path, paths):
         if p.is_file():
             files.append((p, p.name))
         elif p.is_dir():
-            files += [(f, str(f.relative_to(p))) for f in sorted(p.rglob(pattern)) if f.is_file()]
+            found = [(f, f.relative_to(p)) for f in sorted(p.rglob(pattern)) if f.is_file()]
+            files += [(f, str(rel)) for f, rel in found if not set(rel.parts[:-1]) & set(exclude)]
         else:
             raise ValueError(f"--input {p}: no such file or directory")
     return files
@@ -72,13 +75,22 @@ def write_prefix_prompts(
     per_file: int = 4,
     seed: int = 0,
     pattern: str = "*",
+    exclude: tuple[str, ...] = (),
+    count: int | None = None,
 ) -> PrefixSummary:
     """Prompts cut from every text file under `paths`, written to `out` as {"id": "NAME:LINE",
-    "prompt"} JSONL (aside, then renamed: a run cut short leaves no partial file)."""
+    "prompt"} JSONL (aside, then renamed: a run cut short leaves no partial file). With `count`, the
+    files are read in an order shuffled by `seed` until `count` prompts are cut (a large tree is not
+    read whole)."""
     if not 0 < min_tokens <= max_tokens:
         raise ValueError(f"--min-tokens {min_tokens} and --max-tokens {max_tokens}: need 0 < min <= max")
     summary, records = PrefixSummary(0, [], 0), []
-    for path, name in input_files(paths, pattern):
+    files = input_files(paths, pattern, exclude)
+    if count is not None:
+        random.Random(seed).shuffle(files)
+    for path, name in files:
+        if count is not None and len(records) >= count:
+            break
         try:
             text = path.read_text(encoding="utf-8")
         except UnicodeDecodeError:
@@ -98,6 +110,7 @@ def write_prefix_prompts(
             f"{', '.join(map(str, paths))}"
             + (f" ({len(summary.skipped)} not UTF-8)" if summary.skipped else "")
         )
+    records = records[:count] if count is not None else records
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.tmp")

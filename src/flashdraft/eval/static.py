@@ -30,7 +30,7 @@ from collections.abc import Callable
 
 import torch
 from transformers import StaticCache
-from transformers.cache_utils import StaticLayer
+from transformers.cache_utils import StaticLayer, StaticSlidingWindowLayer
 
 from flashdraft.model.dflash2 import gumbel_max
 from flashdraft.model.drafter import DFlashDrafter, Visibility
@@ -148,14 +148,21 @@ class StaticTarget:
 
     def __init__(self, target: Target, max_len: int, graphs: Graphs):
         self.cache = StaticCache(config=target.model.config, max_cache_len=max_len)
+        for i, layer in enumerate(self.cache.layers):
+            # a sliding-window layer whose window holds every position decoded attends as a full one: its
+            # cache is then a plain static one (the ring it would be never turns); the model's own mask
+            # still limits it to its window
+            if type(layer) is StaticSlidingWindowLayer and max_len <= layer.max_cache_len:
+                self.cache.layers[i] = StaticLayer(max_cache_len=max_len)
         other = sorted(
             {type(layer).__name__ for layer in self.cache.layers if type(layer) is not StaticLayer}
         )
         if other:
             raise ValueError(
                 f"static decoding needs a plain static KV cache in every layer; this target's has {other} "
-                "(a sliding-window layer's static cache is a ring and a linear-attention layer's state a "
-                "running sum, neither of which a write position can rewind): decode without cuda_graphs"
+                f"for {max_len} positions (a sliding-window layer's static cache is a ring once the "
+                "positions outrun its window, and a linear-attention layer's state a running sum, neither "
+                "of which a write position can rewind): decode without cuda_graphs, or fewer tokens"
             )
         self.target = target
         self.graphs = graphs
