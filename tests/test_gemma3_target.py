@@ -131,3 +131,25 @@ def test_what_llama_cpps_gemma3_graph_would_run_otherwise_is_refused(gemma3, tmp
     ):
         assert problem in str(refused.value)
     assert not (tmp_path / "out.gguf").exists()
+
+
+def test_the_gguf_tokenizer_adds_bos_as_the_file_says_even_when_transformers_leaves_it_out(
+    tmp_path, monkeypatch
+):
+    """transformers 5.17 builds a Gemma GGUF tokenizer that adds no <bos> (5.24 adds it); the file's
+    tokenizer.ggml.add_bos_token decides, as in llama.cpp."""
+    from transformers import AutoTokenizer
+
+    from flashdraft.model.target import load_tokenizer
+
+    gguf_path = tiny_gemma3.write_target(tmp_path)[-1]
+    built = AutoTokenizer.from_pretrained
+
+    def without_bos(*args, **kwargs):  # as transformers 5.17 builds it
+        tokenizer = built(*args, **kwargs)
+        tokenizer.add_bos_token = False
+        return tokenizer
+
+    monkeypatch.setattr(AutoTokenizer, "from_pretrained", without_bos)
+    tokenizer = load_tokenizer(gguf_path)
+    assert tokenizer("def f():", add_special_tokens=True).input_ids[0] == tokenizer.bos_token_id

@@ -348,7 +348,35 @@ def target_source(path_or_id: str | Path) -> tuple[str, dict]:
 
 def load_tokenizer(path_or_id: str | Path):
     source, kwargs = target_source(path_or_id)
-    return AutoTokenizer.from_pretrained(source, **kwargs)
+    tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
+    if "gguf_file" in kwargs:
+        _add_specials_as_the_file_says(tokenizer, Path(str(path_or_id)))
+    return tokenizer
+
+
+def _add_specials_as_the_file_says(tokenizer, path: Path) -> None:
+    """A GGUF tokenizer adds <bos> (or <eos>) to a text as the file's `tokenizer.ggml.add_bos_token`
+    says: llama.cpp does, and a Gemma prompt without <bos> is out of distribution. transformers does
+    not always carry the flag over (5.17 builds Gemma's tokenizer without it, 5.24 with it), so it is
+    set here from the file, and a tokenizer that still disagrees is an error."""
+    import gguf
+
+    fields = gguf.GGUFReader(path).fields
+    for role in ("bos", "eos"):
+        field = fields.get(f"tokenizer.ggml.add_{role}_token")
+        token_id = getattr(tokenizer, f"{role}_token_id")
+        if field is None or token_id is None:
+            continue
+        wanted = bool(field.contents())
+        ids = tokenizer("a", add_special_tokens=True).input_ids
+        if (ids[0 if role == "bos" else -1] == token_id) != wanted:
+            setattr(tokenizer, f"add_{role}_token", wanted)
+            ids = tokenizer("a", add_special_tokens=True).input_ids
+        if (ids[0 if role == "bos" else -1] == token_id) != wanted:
+            raise ValueError(
+                f"{path}: the file says add_{role}_token={wanted}, and its tokenizer as transformers "
+                f"builds it ({type(tokenizer).__name__}) cannot be made to"
+            )
 
 
 def default_device(device: str | None = None) -> str:
