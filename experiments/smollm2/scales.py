@@ -1,7 +1,10 @@
-"""The SmolLM2-135M-Instruct proof's scales: H200 for one H200, SMOKE to check the flow on a CPU.
+"""The real-target proofs' scales: H200 for one H200, SMOKE to check the flow on a CPU, for
+SmolLM2-135M-Instruct (a chat model) and, as GEMMA3_*, Gemma 3 270M (a base model).
 
 The flow is flashdraft.demo.real_target, whose CPU scale `flashdraft demo --target smollm2` runs.
 """
+
+import dataclasses
 
 from experiments.scratch_target.flow import H200_DRAFTER
 from flashdraft.demo.real_target import RealScale
@@ -53,3 +56,8 @@ SMOKE = RealScale(
     probe_prompts=2,
     probe_tokens=8,
 )
+
+# Gemma 3 270M: prompts it writes from <bos> and code cut from the standard library, continued at T = 0
+# and T = 1; HumanEval as completions. Its 262,144-wide vocabulary makes a loss row 1.7 times SmolLM2's.
+GEMMA3_H200 = dataclasses.replace(H200, target="gemma3", prompt_tokens=96)
+GEMMA3_SMOKE = dataclasses.replace(SMOKE, target="gemma3")

