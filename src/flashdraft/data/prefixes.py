@@ -46,10 +46,10 @@ def input_files(
 
 def cut_prefixes(
     text: str, line_tokens: list[int], min_tokens: int, max_tokens: int, count: int, rng: random.Random
-) -> list[tuple[int, str]]:
-    """Up to `count` distinct prompts of `text` as (first line number, text): lines a..b-1 for cuts b
-    drawn among the line starts, each within [min_tokens, max_tokens] by `line_tokens` (each line's
-    token count)."""
+) -> list[tuple[str, str]]:
+    """Up to `count` prompts of `text` as ("FIRST-LAST" line numbers, text): lines a..b-1 for distinct
+    cuts b drawn among the line starts, each within [min_tokens, max_tokens] by `line_tokens` (each
+    line's token count)."""
     lines = text.splitlines(keepends=True)
     cuts = list(range(1, len(lines) + 1))
     rng.shuffle(cuts)
@@ -60,10 +60,10 @@ def cut_prefixes(
             a -= 1
             total += line_tokens[a]
         if total >= min_tokens and "".join(lines[a:b]).strip():
-            prompts.append((a + 1, "".join(lines[a:b])))
+            prompts.append((a, b, "".join(lines[a:b])))
             if len(prompts) == count:
                 break
-    return sorted(prompts)
+    return [(f"{a + 1}-{b}", text) for a, b, text in sorted(prompts)]
 
 
 def write_prefix_prompts(
@@ -78,10 +78,10 @@ def write_prefix_prompts(
     exclude: tuple[str, ...] = (),
     count: int | None = None,
 ) -> PrefixSummary:
-    """Prompts cut from every text file under `paths`, written to `out` as {"id": "NAME:LINE",
-    "prompt"} JSONL (aside, then renamed: a run cut short leaves no partial file). With `count`, the
-    files are read in an order shuffled by `seed` until `count` prompts are cut (a large tree is not
-    read whole)."""
+    """Prompts cut from every text file under `paths`, written to `out` as {"id": "NAME:FIRST-LAST"
+    (its lines), "prompt"} JSONL (aside, then renamed: a run cut short leaves no partial file). With
+    `count`, the files are read in an order shuffled by `seed` until `count` prompts are cut (a large
+    tree is not read whole)."""
     if not 0 < min_tokens <= max_tokens:
         raise ValueError(f"--min-tokens {min_tokens} and --max-tokens {max_tokens}: need 0 < min <= max")
     summary, records = PrefixSummary(0, [], 0), []
@@ -102,8 +102,8 @@ def write_prefix_prompts(
             continue
         counts = [len(ids) for ids in tokenizer(lines, add_special_tokens=False).input_ids]
         rng = random.Random(f"{seed}:{name}")
-        for line, prompt in cut_prefixes(text, counts, min_tokens, max_tokens, per_file, rng):
-            records.append({"id": f"{name}:{line}", "prompt": prompt})
+        for lines_cut, prompt in cut_prefixes(text, counts, min_tokens, max_tokens, per_file, rng):
+            records.append({"id": f"{name}:{lines_cut}", "prompt": prompt})
     if not records:
         raise ValueError(
             f"no prompt of {min_tokens}-{max_tokens} tokens in {summary.files} text files under "

@@ -104,7 +104,10 @@ CPU_TRAIN = {
     "log_every": 10,
 }
 CPU = RealScale()
-SCALES = {"smollm2": CPU, "gemma3": RealScale(target="gemma3")}  # `flashdraft demo --target NAME`
+SCALES = {  # `flashdraft demo --target NAME`
+    "smollm2": CPU,
+    "gemma3": RealScale(target="gemma3", prompts=86, code_prompts=86),  # texts it writes, stdlib code
+}
 
 
 def smollm2_gguf() -> Path:
@@ -141,8 +144,8 @@ def gemma3_gguf() -> Path:
 TARGETS = {
     # SmolLM2's tokenizer has no mask token and no embedding row beyond it: a code-pretraining marker
     # that chat never uses serves as the drafter's MASK (the one its published results were trained with)
-    "smollm2": RealTarget("SmolLM2-135M-Instruct", smollm2_gguf, "<empty_output>", chat=True),
-    "gemma3": RealTarget("Gemma 3 270M", gemma3_gguf, None, chat=False),
+    "smollm2": RealTarget("SmolLM2-135M-Instruct", lambda: smollm2_gguf(), "<empty_output>", chat=True),
+    "gemma3": RealTarget("Gemma 3 270M", lambda: gemma3_gguf(), None, chat=False),
 }
 
 
@@ -394,16 +397,19 @@ def _synthesize_prompts(run: _Progress, model, tokenizer) -> bool:
 def _code_prompts(path: Path, tokenizer, count: int, scale: RealScale) -> dict:
     """`count` prompts cut from the standard library's Python source (`data prompts`), in a fixed
     shuffled order: code for a base model to continue, on every machine without a download."""
+    import math
     import random
     import sysconfig
 
-    from flashdraft.data.prefixes import write_prefix_prompts
+    from flashdraft.data.prefixes import input_files, write_prefix_prompts
 
     if not path.is_file():
         every = path.with_name(f".{path.name}.all")
         stdlib = Path(sysconfig.get_paths()["stdlib"])
-        summary = write_prefix_prompts([stdlib], tokenizer, every, 16, scale.prompt_tokens, 4, 0, "*.py",
-                                       STDLIB_SKIP, count)  # fmt: skip
+        files = len(input_files([stdlib], "*.py", STDLIB_SKIP))  # 674 in Python 3.11's
+        per_file = max(4, math.ceil(1.25 * count / max(files, 1)))
+        summary = write_prefix_prompts([stdlib], tokenizer, every, 16, scale.prompt_tokens, per_file, 0,
+                                       "*.py", STDLIB_SKIP, count)  # fmt: skip
         records = _lines(every)
         random.Random(0).shuffle(records)  # the held-out ones from anywhere
         if len(records) < count:

@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# One device call of the Gemma 3 270M proof (`python -m experiments.smollm2.proof --target gemma3`) on the
+# lent GPU (calls under 10 minutes, at most 64 MiB carried in, files back of at most 16 MiB; see
+# dev/README.md). After `bash dev/carry_gemma.sh split` here, the calls, each within 30 s of the last:
+#   call 1 (carry .whl .gemma1):  bash dev/carry_gemma.sh keep && bash dev/gemma3_gpu.sh site
+#   calls 2-4 (carry .gemma2, .gemma3, .gemma4):  bash dev/carry_gemma.sh keep
+#   call 5..:                     bash dev/gemma3_gpu.sh run [proof options, e.g. --minutes 9.3]
+# `run` joins the chunks once (hash checked), then continues the proof in /root/keep/gproof where it
+# stopped; logs, the summary, the evals and the drafter's weights (15 MiB parts) come back in $OUT.
+set -uo pipefail
+started=${CALL_STARTED:-$(date +%s)}
+cd "$(dirname "$0")/.."
+SITE=/root/keep/site PROOF=/root/keep/gproof LOGS=/root/keep/glogs
+GGUF=/root/keep/gemma/gemma-3-270m-q4_k_m.gguf
+case "${1:-}" in
+  site)  # the wheels flashdraft needs that the GPU image lacks
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$SITE" .whl/*.whl ;;
+  run)
+    shift
+    [ -f "$GGUF" ] || bash dev/carry_gemma.sh join || exit 3
+    mkdir -p "$LOGS"
+    n=$(ls "$LOGS" | wc -l)
+    minutes=9
+    for ((i = 1; i < $#; i++)); do [ "${!i}" = --minutes ] && j=$((i + 1)) && minutes=${!j}; done
+    limit=$(python3 -c "print(min(588, int(60 * $minutes) + 10))") || exit 2
+    PYTHONPATH=$SITE:$PWD FLASHDRAFT_GEMMA3_GGUF=$GGUF timeout -s KILL $((limit - $(date +%s) + started)) \
+      python3 -m experiments.smollm2.proof --target gemma3 --out "$PROOF" --started "$started" "$@" \
+      > "$LOGS/call$n.log" 2>&1
+    rc=$?
+    grep -v "it/s\]\|examples/s\]" "$LOGS/call$n.log" | tail -40
+    tar czf "${OUT:-/tmp}/gproof_logs.tgz" -C /root/keep glogs gproof/summary.json gproof/run/metrics.jsonl \
+      gproof/eval 2>/dev/null
+    ckpt=$(python3 -c "import json; print(json.load(open('$PROOF/summary.json')).get('checkpoint', ''))" 2>/dev/null)
+    if [ -n "$ckpt" ] && [ -d "$ckpt" ] && [ "$(cat /root/keep/gdrafter.sent 2>/dev/null)" != "$ckpt" ]; then
+      tar czf - -C "$(dirname "$ckpt")" --exclude trainer_state.pt --exclude compile_cache.bin "$(basename "$ckpt")" \
+        | split -b 15M -d - "${OUT:-/tmp}/gdrafter.tgz.part-" && echo "$ckpt" > /root/keep/gdrafter.sent
+    fi
+    exit $rc ;;
+  *) echo "usage: gemma3_gpu.sh site|run [proof options]" >&2; exit 2 ;;
+esac
