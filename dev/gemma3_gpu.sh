@@ -4,7 +4,10 @@
 # dev/README.md). After `bash dev/carry_gemma.sh split` here, the calls, each within 30 s of the last:
 #   call 1 (carry .whl .gemma1):  bash dev/carry_gemma.sh keep && bash dev/gemma3_gpu.sh site
 #   calls 2-4 (carry .gemma2, .gemma3, .gemma4):  bash dev/carry_gemma.sh keep
-#   call 5..:                     bash dev/gemma3_gpu.sh run [proof options, e.g. --minutes 9.3]
+#   call 5 (optional, 2 minutes):  the regeneration settings against the target alone (dev/regen_check.py)
+#                                 bash dev/gemma3_gpu.sh run --minutes 3 --stop-after prompts && PYTHONPATH=src \
+#                                   python3 dev/regen_check.py /root/keep/gproof/target /root/keep/gproof/prompts.code.jsonl
+#   call 6..:                     bash dev/gemma3_gpu.sh run [proof options, e.g. --minutes 9.3]
 # `run` joins the chunks once (hash checked), then continues the proof in /root/keep/gproof where it
 # stopped; logs, the summary, the evals and the drafter's weights (15 MiB parts) come back in $OUT.
 set -uo pipefail
@@ -23,13 +26,13 @@ case "${1:-}" in
     minutes=9
     for ((i = 1; i < $#; i++)); do [ "${!i}" = --minutes ] && j=$((i + 1)) && minutes=${!j}; done
     limit=$(python3 -c "print(min(588, int(60 * $minutes) + 10))") || exit 2
-    PYTHONPATH=$SITE:$PWD FLASHDRAFT_GEMMA3_GGUF=$GGUF timeout -s KILL $((limit - $(date +%s) + started)) \
+    PYTHONPATH=$SITE:$PWD/src:$PWD FLASHDRAFT_GEMMA3_GGUF=$GGUF timeout -s KILL $((limit - $(date +%s) + started)) \
       python3 -m experiments.smollm2.proof --target gemma3 --out "$PROOF" --started "$started" "$@" \
       > "$LOGS/call$n.log" 2>&1
     rc=$?
     grep -v "it/s\]\|examples/s\]" "$LOGS/call$n.log" | tail -40
     tar czf "${OUT:-/tmp}/gproof_logs.tgz" -C /root/keep glogs gproof/summary.json gproof/run/metrics.jsonl \
-      gproof/eval 2>/dev/null
+      gproof/eval $(cd /root/keep && ls gproof/*.failed.jsonl 2>/dev/null) 2>/dev/null
     ckpt=$(python3 -c "import json; print(json.load(open('$PROOF/summary.json')).get('checkpoint', ''))" 2>/dev/null)
     if [ -n "$ckpt" ] && [ -d "$ckpt" ] && [ "$(cat /root/keep/gdrafter.sent 2>/dev/null)" != "$ckpt" ]; then
       tar czf - -C "$(dirname "$ckpt")" --exclude trainer_state.pt --exclude compile_cache.bin "$(basename "$ckpt")" \
