@@ -92,8 +92,8 @@ def _comparison_lines(compare: dict) -> list[str]:
 def engine_check_cmd(
     target: Path = typer.Option(
         ...,
-        help="the target: a .gguf file, or a Hugging Face directory (Llama, Mistral, Qwen2, Qwen3), which is "
-        "converted to a .gguf next to the report",
+        help="the target: a .gguf file, or a Hugging Face directory (Llama, Mistral, Qwen2, Qwen3, Gemma 3), "
+        "which is converted to a .gguf next to the report",
     ),
     drafter: Path = typer.Option(..., help="the drafter's .gguf file (`flashdraft export --format gguf`)"),
     prompts: Path = typer.Option(..., help='JSONL of {"messages": [...]} or {"prompt": "..."} records'),
