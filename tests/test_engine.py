@@ -343,3 +343,17 @@ def test_llama_server_tokenizes_as_a_split_then_byte_level_tokenizer_does(llama_
     ) as server:
         assert server.client.post("/tokenize", json={"content": text}).json()["tokens"] == ids
         assert server.client.post("/detokenize", json={"tokens": ids}).json()["content"] == tok.decode(ids)
+
+
+def test_a_target_whose_llama_cpp_graph_cannot_feed_a_drafter_is_refused_before_any_server(served_files):
+    """llama.cpp build 11434's Gemma 3 graph records no layer inputs: llama-server aborts at the first
+    request of a DFlash drafter for it ("layer input tensor is null", seen with Gemma 3 270M)."""
+    import tiny_gemma3
+    from flashdraft.eval.engine import check_dflash_target, engine_check
+
+    gemma = tiny_gemma3.write_target(served_files / "gemma")[-1]
+    with pytest.raises(ValueError, match="a 'gemma3' target's does not"):
+        engine_check(
+            served_files / "no-server", gemma, served_files / "drafter.gguf", [[1]], 4, None, served_files
+        )
+    check_dflash_target(served_files / "target.gguf")  # a Llama target is served

@@ -60,6 +60,30 @@ TAU_DEFINITION = (
 )
 
 
+# The target architectures whose llama.cpp graph (build 11434, src/models/*.cpp) records its layer inputs,
+# which a DFlash drafter reads (`t_layer_inp`, src/llama-graph.cpp): serving a drafter for any other,
+# Gemma 3 and Qwen2 among them, aborts in llama-server ("layer input tensor is null")
+DFLASH_TARGETS = frozenset({
+    "bailingmoe3", "deepseek4", "gemma4", "gpt-oss", "hunyuan_vl", "lfm2", "llama", "mimo2", "minimax-01",
+    "minimax-m2", "muse-glimmer", "nanbeige", "nemotron_h", "qwen3", "qwen35", "qwen35moe", "qwen3moe",
+    "qwen3next", "qwen4exp",
+})  # fmt: skip
+
+
+def check_dflash_target(target: Path) -> None:
+    """Refuse a target GGUF whose architecture llama.cpp cannot feed a DFlash drafter (DFLASH_TARGETS)."""
+    import gguf
+
+    field = gguf.GGUFReader(target).fields.get("general.architecture")
+    arch = field.contents() if field is not None else None
+    if arch not in DFLASH_TARGETS:
+        raise ValueError(
+            f"{target}: llama.cpp (build 11434) serves a DFlash drafter only for targets whose graph "
+            f"records its layer inputs, and a {arch!r} target's does not (src/models/{arch}.cpp); served "
+            f"targets: {', '.join(sorted(DFLASH_TARGETS))}"
+        )
+
+
 class ServerError(RuntimeError):
     """llama-server died, did not answer in time, or refused a request (the tail of its log is in the
     message where it stopped)."""
@@ -280,6 +304,7 @@ def engine_check(
     temperature: float = 0.0,
 ) -> dict:
     """Serve target + drafter, then the target alone, over `prompts` (token ids); the report as a dict."""
+    check_dflash_target(target)
     runs = {}
     for name, draft in (("dflash", drafter), ("plain", None)):
         with LlamaServer(server, target, draft, log_dir / f"llama-server.{name}.log", opts) as s:
