@@ -26,8 +26,11 @@ def main() -> None:
     ap.add_argument("--prompts-n", "--prompts", dest="n", type=int, default=32)
     ap.add_argument("--tokens", type=int, default=48)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--dtype", choices=("bfloat16", "float32"), help="default: bf16 on a GPU, f32 on a CPU")
+    ap.add_argument("--caches", default="dynamic,static", help="the caches to try, comma-separated")
     args = ap.parse_args()
-    model, tok = load_target(args.target, args.device)
+    dtype = getattr(torch, args.dtype) if args.dtype else None
+    model, tok = load_target(args.target, args.device, dtype=dtype)
     lines = Path(args.prompts).read_text().splitlines()[: args.n]
     prompts = [json.loads(line)["prompt"] for line in lines]
     stop = dict(eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
@@ -41,7 +44,7 @@ def main() -> None:
     print(f"{model.dtype}, {len(prompts)} prompts, {args.tokens} tokens; alone, first: {alone[0][:60]!r}")
     convs = [[{"role": "user", "content": p}] for p in prompts]
     for attention in ("grouped", None):
-        for cache in ("dynamic", "static"):
+        for cache in args.caches.split(","):
             backend = LocalBackend(
                 copy.deepcopy(model), tok, args.tokens, 0.0, len(convs), cache=cache, attention=attention
             )
