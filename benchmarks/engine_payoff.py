@@ -21,8 +21,16 @@ import statistics
 from pathlib import Path
 
 from flashdraft.cli.engine import _prompt_ids
-from flashdraft.eval.engine import LlamaServer, ServerOptions, find_server, run_requests, tokens_per_second
+from flashdraft.eval.engine import (
+    LlamaServer,
+    ServerOptions,
+    check_dflash_target,
+    find_server,
+    run_requests,
+    tokens_per_second,
+)
 from flashdraft.export.formats import export_checkpoint
+from flashdraft.export.gguf_target import served_target
 
 WIDTHS = (1, 2, 4, 8, 16)
 
@@ -41,7 +49,8 @@ def forward_ms(server: LlamaServer, prompt: list[int], width: int, repeats: int 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--target", type=Path, required=True, help="the target's .gguf")
+    target_help = "the target's .gguf, or an HF directory (converted into --out)"
+    ap.add_argument("--target", type=Path, required=True, help=target_help)
     ap.add_argument("--checkpoint", type=Path, required=True, help="the drafter checkpoint (z-lab layout)")
     ap.add_argument("--prompts", type=Path, required=True)
     ap.add_argument("--max-prompts", type=int, default=8)
@@ -52,6 +61,8 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
+    args.target = served_target(args.target, args.out)  # as engine-check serves it
+    check_dflash_target(args.target)
     binary = find_server()
     ids = _prompt_ids(args.target, args.prompts, args.max_prompts, False)
     ctx = max(len(x) for x in ids) + args.max_new_tokens + 64
