@@ -185,7 +185,7 @@ def test_an_interrupt_that_saves_nothing_still_names_the_last_checkpoint(tmp_pat
     first = build_trainer(_cfg(max_steps=1), tiny_target_dir, data_dir, out, device="cpu")
     first.run()
 
-    def interrupted(self, progress=None, until=None, deadline=None):
+    def interrupted(self, progress=None, until=None, deadline=None, started=None):
         raise KeyboardInterrupt
 
     monkeypatch.setattr(trainer_module.Trainer, "run", interrupted)

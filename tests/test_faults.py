@@ -27,13 +27,11 @@ drafter: {num_layers: 1, num_taps: 2}
 """
 
 
-def _cmd(target, data, cfg, out, resume: bool) -> list[str]:
-    cmd = [sys.executable, "-m", "flashdraft.cli.main", "train", "--target", str(target), "--data", str(data),
-           "--config", str(cfg), "--max-steps", str(STEPS), "--device", "cpu"]  # fmt: skip
-    if resume:
-        return cmd + ["--resume", str(out)]
-    # killed before its first checkpoint: nothing to resume, and --out alone refuses the run's directory
-    return cmd + ["--out", str(out)] + (["--overwrite"] if out.exists() else [])
+def _cmd(target, data, cfg, out) -> list[str]:
+    """One command however the last run ended: --auto-resume continues it or starts it again."""
+    return [sys.executable, "-m", "flashdraft.cli.main", "train", "--target", str(target), "--data",
+            str(data), "--config", str(cfg), "--max-steps", str(STEPS), "--device", "cpu", "--out", str(out),
+            "--auto-resume"]  # fmt: skip
 
 
 def _complete(ckpt) -> bool:
@@ -64,16 +62,15 @@ def test_runs_killed_at_random_moments_resume_to_the_uninterrupted_result(tmp_pa
     # state, not about the kernels' rounding
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     subprocess.run(
-        _cmd(tiny_target_dir, data, cfg, whole, False), check=True, capture_output=True, timeout=300, env=env
+        _cmd(tiny_target_dir, data, cfg, whole), check=True, capture_output=True, timeout=300, env=env
     )
 
     run = tmp_path / "killed"
     rng = random.Random(0)
     kills = 0
     for _attempt in range(30):
-        resume = (run / "checkpoints" / "LATEST").exists()
         proc = subprocess.Popen(
-            _cmd(tiny_target_dir, data, cfg, run, resume),
+            _cmd(tiny_target_dir, data, cfg, run),
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
             env=env,

@@ -336,6 +336,80 @@ def test_training_mirrors_to_s3_and_resumes_on_a_fresh_machine(
     assert _json.loads((fresh / "result.json").read_text())["steps"] == 4
 
 
+def test_auto_resume_starts_with_an_empty_mirror_and_continues_from_it_on_a_fresh_machine(
+    server, monkeypatch, tmp_path, tiny_target_dir, capsys
+):
+    """--auto-resume with --s3: no checkpoint here or in the bucket starts the run; on another machine,
+    where a run that never saved left its files, those go and the bucket's checkpoint continues it."""
+    from flashdraft.config import resolve_config
+    from flashdraft.data.packing import save_token_dataset
+    from flashdraft.train.build import build_trainer
+    from helpers import random_docs
+
+    new_bucket(server, monkeypatch, "auto")
+    save_token_dataset(random_docs([70, 90, 120, 60] * 3, seed=4, prompt_len=10), tmp_path / "data")
+    over = {"data.seq_len": 128, "data.rows_per_batch": 2, "num_anchors": 8, "max_steps": 4}
+    cfg = resolve_config("default", **over, **{"drafter.num_layers": 1, "drafter.num_taps": 2})
+    url, data = "s3://auto/exp1", tmp_path / "data"
+    first = build_trainer(
+        cfg, tiny_target_dir, data, tmp_path / "a", device="cpu", s3_url=url, auto_resume=True
+    )
+    assert (
+        first.step == 0 and f"no checkpoint in {tmp_path / 'a'} or {url}: starting" in capsys.readouterr().out
+    )
+    for _ in range(2):
+        first.train_step()
+    first.save()
+    assert first.checkpoints.mirror.close(timeout=60)
+
+    fresh = tmp_path / "fresh-machine"
+    (fresh / "checkpoints" / ".tmp-step_000001").mkdir(parents=True)
+    (fresh / "train.log").write_text("step 1/4 loss 6.0\n")
+    resumed = build_trainer(cfg, tiny_target_dir, data, fresh, device="cpu", s3_url=url, auto_resume=True)
+    assert resumed.step == 2
+    assert sorted(p.name for p in (fresh / "checkpoints").iterdir()) == ["LATEST", "step_000002"]
+    assert f"restored from {url}" in capsys.readouterr().out
+
+
+def test_a_run_stopped_by_sigterm_waits_until_its_last_checkpoint_is_in_the_bucket(
+    server, monkeypatch, tmp_path, tiny_target_dir
+):
+    """The machine goes after SIGTERM, and its disk with it: the checkpoint the signal saved must be in
+    the bucket before the process exits."""
+    import signal
+
+    from flashdraft.config import resolve_config
+    from flashdraft.data.packing import save_token_dataset
+    from flashdraft.train.build import build_trainer
+    from flashdraft.train.trainer import Preempted
+    from helpers import random_docs
+
+    client = new_bucket(server, monkeypatch, "preempted")
+    save_token_dataset(random_docs([70, 90, 120, 60] * 3, seed=4, prompt_len=10), tmp_path / "data")
+    over = {"data.seq_len": 128, "data.rows_per_batch": 2, "num_anchors": 8, "max_steps": 6}
+    cfg = resolve_config("default", **over, **{"drafter.num_layers": 1, "drafter.num_taps": 2})
+    trainer = build_trainer(cfg, tiny_target_dir, tmp_path / "data", tmp_path / "run", device="cpu",
+                            s3_url="s3://preempted/r")  # fmt: skip
+    step = trainer.train_step
+
+    def step_then_sigterm(*args, **kwargs):
+        stats = step(*args, **kwargs)
+        if trainer.step == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return stats
+
+    trainer.train_step = step_then_sigterm
+    before = signal.signal(signal.SIGTERM, signal.default_int_handler)  # if the trainer did not catch it
+    try:
+        with pytest.raises(Preempted, match="after step 2"):
+            trainer.run()
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    keys = stored(client, "preempted")
+    assert keys["r/checkpoints/LATEST"] == b"step_000002\n" and "r/checkpoints/step_000002/.complete" in keys
+    assert "r/metrics.jsonl" in keys
+
+
 def test_a_store_that_cannot_be_written_is_an_error_before_the_run_starts(server, monkeypatch, tmp_path):
     new_bucket(server, monkeypatch, "exists")
     with pytest.raises(ValueError, match=r"cannot write to s3://no-such-bucket/r \(NoSuchBucket"):

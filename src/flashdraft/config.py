@@ -211,6 +211,13 @@ class TrainConfig(_Strict):
     grad_accum: int = Field(1, ge=1)
     log_every: int = Field(10, ge=1)
     save_every: int | None = Field(None, ge=1)
+    early_save: bool = Field(
+        True,
+        description="the first checkpoint of each `flashdraft train` process comes once the steps after its "
+        "first have taken as long as its start-up (up to the end of that first step, compilation "
+        "included), unless save_every saved sooner: a process killed after that loses at most the "
+        "training since then, however far apart save_every's checkpoints are (docs/runs.md)",
+    )
     recompute_logits: bool = Field(
         False,
         description="recompute lm_head logits in the backward instead of keeping them (qwen3-8b on the "
@@ -311,8 +318,8 @@ class TrainConfig(_Strict):
 
 class RunSpec(_Strict):
     """What a run trains against, where it writes, how its processes are laid out: the part of a run
-    that is not the recipe. `resume` and `overwrite` are what one invocation does with `out`; they are
-    not saved."""
+    that is not the recipe. `resume`, `overwrite` and `auto_resume` are what one invocation does with
+    `out`; they are not saved."""
 
     target: str = Field(min_length=1, description="target model: local HF directory, hub id or .gguf file")
     data: str = Field(min_length=1, description="token dataset directory (from `flashdraft data prepare`)")
@@ -328,6 +335,12 @@ class RunSpec(_Strict):
     s3: str | None = Field(None, pattern=r"^s3://[^/]+", description="mirror to s3://bucket/prefix")
     resume: bool = Field(False, description="continue the run in `out` (or restore it from `s3`)")
     overwrite: bool = Field(False, description="`out` holds a run: delete it and start again")
+    auto_resume: bool = Field(
+        False,
+        description="continue the run in `out` from its newest complete checkpoint (there, or in `s3`) when "
+        "it has one, else start it, replacing what a run that never saved left there: one command that "
+        "starts a preemptible run and continues it after any kill",
+    )
 
     @field_validator("layout")
     @classmethod
@@ -347,6 +360,11 @@ class RunSpec(_Strict):
     def _one_action(self) -> RunSpec:
         if self.resume and self.overwrite:
             raise ValueError("resume continues the run in `out`, overwrite deletes it: choose one")
+        if self.auto_resume and (self.resume or self.overwrite):
+            other = "resume" if self.resume else "overwrite"
+            raise ValueError(
+                f"auto_resume decides itself whether to continue the run in `out` or start it: drop {other}"
+            )
         return self
 
 
@@ -478,9 +496,11 @@ def _resolve_raw(preset: str, yaml_path: Path | None, overrides: dict) -> dict:
 
 
 def save_config(cfg: TrainConfig, path: Path, record: dict | None = None) -> None:
-    """RUN/config.yaml: the config as `--config` reads it back (a run's `resume` and `overwrite` left
-    out), then `record:`."""
-    data = cfg.model_dump(mode="json", exclude={"record": True, "run": {"resume", "overwrite"}})
+    """RUN/config.yaml: the config as `--config` reads it back (a run's `resume`, `overwrite` and
+    `auto_resume` left out), then `record:`."""
+    data = cfg.model_dump(
+        mode="json", exclude={"record": True, "run": {"resume", "overwrite", "auto_resume"}}
+    )
     if record:
         data["record"] = record
     Path(path).write_text(yaml.safe_dump(data, sort_keys=False))

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -14,6 +16,15 @@ app = typer.Typer(
     no_args_is_help=True,
     pretty_exceptions_enable=False,
 )
+
+
+# Exit codes of `flashdraft train` (docs/runs.md, "Schedulers and preemption"): 0 done (or a slice stopped
+# by --until or --max-minutes), 1 the run failed (non-finite steps, a full disk, an incomplete S3 mirror),
+# 2 refused (options, config, data, target, the run directory), INTERRUPTED for Ctrl-C, PREEMPTED for
+# SIGTERM: 128 + the signal's number, what a shell (and Kubernetes, for a container) reports for a process
+# that signal ended, so a scheduler's policy for "terminated" applies; a run of one process saves first.
+INTERRUPTED = 130
+PREEMPTED = 143
 
 
 def _fail(message: str, code: int = 2) -> None:
@@ -90,6 +101,13 @@ def train(
     overwrite: bool = typer.Option(
         False, "--overwrite", help="--out holds a run: delete it and start again (without: refused)"
     ),
+    auto_resume: bool = typer.Option(
+        False,
+        "--auto-resume",
+        help="continue --out (or its --s3 mirror) from its newest complete checkpoint when there is one, "
+        "else start it, removing what a run that never saved left there: one command that a scheduler "
+        "runs again after any kill",
+    ),
     trust_compile_cache: bool = typer.Option(
         False,
         "--trust-compile-cache",
@@ -101,8 +119,11 @@ def train(
 
     Multi-GPU: `--nproc N`, or under torchrun (one process per GPU; multi-node through torchrun's
     rendezvous with no other change).
+
+    Exit codes: 0 done, 1 the run failed, 2 refused, 130 Ctrl-C, 143 SIGTERM (a scheduler's notice;
+    a run of one process saves first): docs/runs.md, "Schedulers and preemption".
     """
-    started = time.time()  # --max-minutes counts from here
+    started = time.time()  # --max-minutes and the early checkpoint (early_save) count from here
     if plan:
         world = nproc or int(os.environ.get("WORLD_SIZE", "1"))
         _print_plan(preset, config, target, layout, world, fsdp, target_parallel)
@@ -110,73 +131,101 @@ def train(
     if nproc is not None and "LOCAL_RANK" not in os.environ:
         _launch(nproc)
         return
-    from flashdraft.distributed.topology import pin_local_gpu
-
-    pin_local_gpu()
-    if not verbose:
-        from flashdraft.data.progress import quiet_libraries
-
-        quiet_libraries()
-    from flashdraft.config import resolve_run_config
-    from flashdraft.model.checkpoint import latest_checkpoint
-    from flashdraft.train.build import build
-
-    if resume and resume.startswith("s3://"):
-        s3 = s3 or resume
-    elif resume:
-        out = out or Path(resume)
-        if out != Path(resume):
-            _fail(f"--resume {resume} and --out {out} name different runs")
-    if out is None and "out" not in _yaml_run(config):
-        _fail("--out is required (or --resume RUN, or a --config with run.out)")
+    trainer = None
+    put_back = _sigterm_raises()  # before torch loads; the training loop of one process saves first
     try:
-        over = {"max_steps": max_steps, "save_every": save_every, "seed": seed, "keep_last": keep_last}
-        over |= {
-            "wandb": wandb or None,
-            "fsdp": fsdp or None,
-            "eval_every": eval_every,
-            "eval_prompts": str(eval_prompts) if eval_prompts else None,
-            "val_every": val_every,
-            "val_data": str(val_data) if val_data else None,
-            "trust_compile_cache": trust_compile_cache or None,
-            "init_from": str(init_from) if init_from else None,
-        }
-        run = {"target": target, "data": str(data) if data else None, "out": str(out) if out else None}
-        run |= {"device": device, "layout": layout, "s3": s3, "backend": backend}
-        run |= {"target_parallel": target_parallel}
-        run |= {"resume": resume is not None or None, "overwrite": overwrite or None}
-        cfg = resolve_run_config(preset, config, **over, **{f"run.{k}": v for k, v in run.items()})
-        out = Path(cfg.run.out)
-        trainer = build(cfg)
-        if until is not None and not trainer.step < until <= trainer.total_steps:
-            raise ValueError(f"--until {until}: the run is at step {trainer.step} of {trainer.total_steps}")
-        deadline = None if max_minutes is None else started + 60 * max_minutes
-        trainer.check_slice(None, deadline)
-    except (ValueError, OSError) as e:
-        _fail(str(e))
-    from flashdraft.train.state import MirrorIncomplete, NonFiniteError
-    from flashdraft.train.trainer import Interrupted
+        from flashdraft.distributed.topology import pin_local_gpu
 
-    try:
-        result = _run_with_progress(trainer, cfg.log_every, until, deadline)
-    except Interrupted as e:
-        trainer.close()
-        _fail(str(e), code=130)
-    except KeyboardInterrupt:  # a second Ctrl-C, or a run of several ranks: nothing saved now
-        last = latest_checkpoint(Path(out) / "checkpoints")
-        _fail(f"interrupted; the last complete checkpoint: {last or 'none'} (--resume {out} continues)", 130)
-    except (NonFiniteError, MirrorIncomplete) as e:
-        trainer.close()
-        _fail(str(e), code=1)
-    except OSError as e:  # a full disk, a read-only run directory: named, with what is safe
-        trainer.close()
-        last = latest_checkpoint(Path(out) / "checkpoints")
-        _fail(f"{e}; the last complete checkpoint: {last or 'none'}", code=1)
+        pin_local_gpu()
+        if not verbose:
+            from flashdraft.data.progress import quiet_libraries
+
+            quiet_libraries()
+        from flashdraft.config import resolve_run_config
+        from flashdraft.model.checkpoint import latest_checkpoint
+        from flashdraft.train.build import build
+        from flashdraft.train.state import MirrorIncomplete, NonFiniteError
+        from flashdraft.train.trainer import Interrupted, Preempted
+
+        if resume and resume.startswith("s3://"):
+            s3 = s3 or resume
+        elif resume:
+            out = out or Path(resume)
+            if out != Path(resume):
+                _fail(f"--resume {resume} and --out {out} name different runs")
+        if out is None and "out" not in _yaml_run(config):
+            _fail("--out is required (or --resume RUN, or a --config with run.out)")
+        try:
+            over = {"max_steps": max_steps, "save_every": save_every, "seed": seed, "keep_last": keep_last}
+            over |= {
+                "wandb": wandb or None,
+                "fsdp": fsdp or None,
+                "eval_every": eval_every,
+                "eval_prompts": str(eval_prompts) if eval_prompts else None,
+                "val_every": val_every,
+                "val_data": str(val_data) if val_data else None,
+                "trust_compile_cache": trust_compile_cache or None,
+                "init_from": str(init_from) if init_from else None,
+            }
+            run = {"target": target, "data": str(data) if data else None, "out": str(out) if out else None}
+            run |= {"device": device, "layout": layout, "s3": s3, "backend": backend}
+            run |= {"target_parallel": target_parallel}
+            run |= {"resume": resume is not None or None, "overwrite": overwrite or None}
+            run |= {"auto_resume": auto_resume or None}
+            cfg = resolve_run_config(preset, config, **over, **{f"run.{k}": v for k, v in run.items()})
+            out = Path(cfg.run.out)
+            trainer = build(cfg)
+            complete = trainer.step == trainer.total_steps  # a finished run, run again
+            if until is not None and not trainer.step < until <= trainer.total_steps:
+                raise ValueError(
+                    f"--until {until}: the run is at step {trainer.step} of {trainer.total_steps}"
+                )
+            deadline = None if max_minutes is None else started + 60 * max_minutes
+            trainer.check_slice(None, deadline)
+        except (ValueError, OSError) as e:
+            _fail(str(e))
+        try:
+            result = _run_with_progress(trainer, cfg.log_every, until, deadline, started)
+        except Preempted as e:
+            trainer.close()
+            _fail(str(e), code=PREEMPTED)
+        except Interrupted as e:
+            trainer.close()
+            _fail(str(e), code=INTERRUPTED)
+        except KeyboardInterrupt:  # a second Ctrl-C, or a run of several ranks: nothing saved now
+            last = latest_checkpoint(Path(out) / "checkpoints")
+            _fail(
+                f"interrupted; the last complete checkpoint: {last or 'none'} (--resume {out} continues)",
+                INTERRUPTED,
+            )
+        except (NonFiniteError, MirrorIncomplete) as e:
+            trainer.close()
+            _fail(str(e), code=1)
+        except OSError as e:  # a full disk, a read-only run directory: named, with what is safe
+            trainer.close()
+            last = latest_checkpoint(Path(out) / "checkpoints")
+            _fail(f"{e}; the last complete checkpoint: {last or 'none'}", code=1)
+    except Terminated:  # start-up, the end of a run, or a run of several ranks: nothing saved now
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a repeated one would cut the mirror's wait short
+        on_main = trainer is not None and trainer.topo.is_main
+        unmirrored = trainer.checkpoints.wait_for_mirror() if on_main else []
+        mirror = f" (the S3 mirror is not complete: {'; '.join(unmirrored)})" if unmirrored else ""
+        _fail(
+            f"terminated (SIGTERM); the last complete checkpoint: {_named_by_latest(out)}{mirror} (the "
+            "same command with --auto-resume continues)",
+            PREEMPTED,
+        )
+    finally:
+        put_back()
     if result is not None and trainer.topo.is_main and result.steps < trainer.total_steps:
         typer.echo(
             f"stopped at step {result.steps} of {trainer.total_steps} "
             f"({'--until' if result.steps == until else '--max-minutes'}): checkpoint "
             f"{result.checkpoint}; --resume {out} continues"
+        )
+    elif result is not None and trainer.topo.is_main and complete:
+        typer.echo(
+            f"done: the run was complete already ({result.steps} steps); checkpoint {result.checkpoint}"
         )
     elif result is not None and trainer.topo.is_main:
         typer.echo(
@@ -184,6 +233,36 @@ def train(
             f"checkpoint {result.checkpoint}"
         )
     trainer.close()
+
+
+class Terminated(BaseException):
+    """SIGTERM where no checkpoint is written first (start-up, a run of several ranks), raised by the
+    handler `_sigterm_raises` installs, as KeyboardInterrupt is for Ctrl-C: a BaseException, so that no
+    `except Exception` on the way swallows it."""
+
+
+def _named_by_latest(out: Path | None) -> str:
+    """The checkpoint RUN/checkpoints/LATEST names, or "none": read without importing torch, whose import
+    a SIGTERM may have cut short."""
+    marker = Path(out) / "checkpoints" / "LATEST" if out is not None else None
+    return str(marker.parent / marker.read_text().strip()) if marker and marker.is_file() else "none"
+
+
+def _sigterm_raises():
+    """SIGTERM raises Terminated from now on, as Ctrl-C raises KeyboardInterrupt, so that `train` exits
+    with PREEMPTED naming the last complete checkpoint rather than dying unannounced (start-up, a run of
+    several ranks); the training loop of a one-process run puts a save first (Trainer._stop_on_interrupt).
+    Returns what puts the former handler back. A process started with SIGTERM ignored keeps ignoring it;
+    outside the main thread (where no handler can be set) nothing changes."""
+
+    def raise_terminated(signum, frame):
+        raise Terminated
+
+    previous = signal.getsignal(signal.SIGTERM)
+    if previous is signal.SIG_IGN or threading.current_thread() is not threading.main_thread():
+        return lambda: None
+    signal.signal(signal.SIGTERM, raise_terminated)
+    return lambda: signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
 
 
 def _yaml_run(config: Path | None) -> dict:
@@ -233,7 +312,11 @@ def _rank_line(x: dict) -> str:
 
 
 def _launch(nproc: int) -> None:
-    """Re-run this command under torch's elastic launcher, one process per device."""
+    """Re-run this command under torch's elastic launcher, one process per device. A signal that stops
+    the ranks (the launcher passes SIGTERM and Ctrl-C on to them) ends it with the ranks' code, 128 + the
+    signal's number, not the launcher's traceback."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun
 
     args = sys.argv[1:]
@@ -248,13 +331,24 @@ def _launch(nproc: int) -> None:
         if a.startswith("--nproc="):
             continue
         cleaned.append(a)
-    torchrun(["--standalone", f"--nproc-per-node={nproc}", "-m", "flashdraft.cli.main", *cleaned])
+    try:
+        torchrun(["--standalone", f"--nproc-per-node={nproc}", "-m", "flashdraft.cli.main", *cleaned])
+    except SignalException as e:  # the launcher's own: its ranks got the signal from it
+        raise typer.Exit(128 + int(e.sigval)) from None
+    except ChildFailedError as e:  # the ranks got the signal and stopped on it (the scheduler's, directly)
+        by_signal = {-signal.SIGTERM: PREEMPTED, -signal.SIGINT: INTERRUPTED}  # a rank killed by it: -signum
+        codes = {by_signal.get(f.exitcode, f.exitcode) for f in e.failures.values()}
+        if len(codes) == 1 and codes <= {INTERRUPTED, PREEMPTED}:
+            raise typer.Exit(codes.pop()) from None
+        raise
 
 
-def _run_with_progress(trainer, every: int, until: int | None = None, deadline: float | None = None):
+def _run_with_progress(
+    trainer, every: int, until: int | None = None, deadline: float | None = None, started: float | None = None
+):
     """A rich progress bar on an interactive terminal (main rank), plain lines otherwise."""
     if not (sys.stderr.isatty() and trainer.topo.is_main):
-        return trainer.run(progress=_print_progress(every), until=until, deadline=deadline)
+        return trainer.run(progress=_print_progress(every), until=until, deadline=deadline, started=started)
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
     columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn()]
@@ -264,6 +358,7 @@ def _run_with_progress(trainer, every: int, until: int | None = None, deadline: 
             progress=lambda s, n, loss: bar.update(task, completed=s, description=f"loss {loss:.4f}"),
             until=until,
             deadline=deadline,
+            started=started,
         )
 
 

@@ -192,6 +192,12 @@ class S3Mirror:
         with self._lock:
             return self._pending
 
+    @property
+    def closed(self) -> bool:
+        """Whether `close` was called (no more jobs are accepted)."""
+        with self._lock:
+            return self._closed
+
     def close(self, timeout: float | None = None) -> bool:
         """Accept no more jobs and wait up to `timeout` s for the queued ones; True when all finished."""
         with self._lock:

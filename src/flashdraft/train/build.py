@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import importlib.util
+import re
 import shutil
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -113,7 +114,8 @@ def build(config: RunConfig, source: RunSource | None = None) -> Trainer:
 
     With `run.s3`, checkpoints and logs are mirrored there; resuming with an empty `run.out` first
     restores the run's newest complete checkpoint from it (a fresh machine). A `run.out` holding a run
-    is refused unless `run.resume` (continue it) or `run.overwrite` (delete it and start again); a resume
+    is refused unless `run.resume` (continue it), `run.overwrite` (delete it and start again) or
+    `run.auto_resume` (continue it when it has a checkpoint, else start it: `prepare_out`); a resume
     checks the target and data against the run's record (flashdraft.run.provenance). `source`: what the
     run reads, by default `path_source(run.target, run.data)`.
     """
@@ -123,7 +125,7 @@ def build(config: RunConfig, source: RunSource | None = None) -> Trainer:
     topo = init_topology(run.parsed_layout, run.device, run.backend, run.target_parallel)
     if compiles(cfg, topo.device):
         start_compile_workers()  # they start while the target loads
-    prepare_out(run, topo)
+    resume = prepare_out(run, topo)
     torch.manual_seed(cfg.seed)
     source = source or path_source(run.target, run.data)
     whole = source.target_config
@@ -151,7 +153,7 @@ def build(config: RunConfig, source: RunSource | None = None) -> Trainer:
     batches = source.batches(cfg, model, tokenizer, target.packing)
     del model  # the Target holds it
     out = Path(run.out)
-    if run.resume and (out / "config.yaml").is_file():
+    if resume and (out / "config.yaml").is_file():
         saved = yaml.safe_load((out / "config.yaml").read_text()) or {}
         check_resume_record(saved.get("record") or saved, batches.record, out)  # top level: older runs
     steps = total_steps(cfg, batches.stream, topo, run.data)
@@ -162,7 +164,7 @@ def build(config: RunConfig, source: RunSource | None = None) -> Trainer:
 
         mirror = S3Mirror(run.s3)
     return Trainer(
-        cfg, target, drafter, batches.stream, steps, topo, out, batches.record, run.resume,
+        cfg, target, drafter, batches.stream, steps, topo, out, batches.record, resume,
         val_loader=batches.val, tau_probe=probe, mirror=mirror, mask=mask,
     )  # fmt: skip
 
@@ -178,16 +180,21 @@ def build_trainer(
     s3_url: str | None = None,
     backend: str = "auto",
     overwrite: bool = False,
+    auto_resume: bool = False,
 ) -> Trainer:
     """`build` of a TrainConfig and its run settings given one by one."""
     run = {"target": target_path, "data": data_dir, "out": out_dir, "device": device, "layout": layout}
     run |= {"resume": resume, "s3": s3_url, "backend": backend, "overwrite": overwrite}
+    run |= {"auto_resume": auto_resume}
     return build(run_config(cfg, **run))
 
 
-def prepare_out(run: RunSpec, topo: Topology) -> None:
-    """`run.out` ready for the run: one holding a run is refused unless resumed or overwritten (then
-    deleted); a resume with no checkpoint there restores the newest one from `run.s3`."""
+def prepare_out(run: RunSpec, topo: Topology) -> bool:
+    """`run.out` ready for the run; returns whether the run continues from a checkpoint. One holding a
+    run is refused unless resumed or overwritten (then deleted); a resume with no checkpoint there
+    restores the newest one from `run.s3`. `run.auto_resume` decides between the two (`auto_resume`)."""
+    if run.auto_resume:
+        return auto_resume(run, topo)
     out = Path(run.out)
     existing = [n for n in ("config.yaml", "checkpoints") if (out / n).exists()]
     if existing and not run.resume:
@@ -204,6 +211,91 @@ def prepare_out(run: RunSpec, topo: Topology) -> None:
 
         restore_run(run.s3, out)
     topo.barrier()
+    return run.resume
+
+
+# What a run writes in its directory (train/trainer.py, train/metrics.py) and, in RUN/checkpoints, the
+# names a save gives its directories and files (model/checkpoint.py): all `auto_resume` ever deletes.
+RUN_ENTRIES = ("config.yaml", "env.json", "train.log", "metrics.jsonl", "result.json", "tb", "wandb")
+CHECKPOINT_ENTRY = re.compile(r"(\.tmp-|\.replaced-)?step_\d+|\.LATEST\.tmp")
+
+
+def auto_resume(run: RunSpec, topo: Topology) -> bool:
+    """`run.auto_resume`: whether the run continues, decided on the main rank and followed by every
+    rank (which then agree however their views of the directory differ). It continues from the newest
+    complete checkpoint in `run.out`, else from one restored from `run.s3`; with neither it starts, after
+    removing what a run that never saved left in `run.out` (`clear_unsaved_run`), and says so."""
+    decision = None
+    if topo.is_main:
+        try:
+            decision = (_continue_or_start(run), None)
+        except (ValueError, OSError) as e:  # every rank raises it, none waits for the main rank
+            decision = (False, str(e))
+    resume, error = next(d for d in topo.gather_objects(decision) if d is not None)
+    if error is not None:
+        raise ValueError(error)
+    return resume
+
+
+def _continue_or_start(run: RunSpec) -> bool:
+    out = Path(run.out)
+    ckpt = latest_checkpoint(out / "checkpoints")
+    if ckpt is not None:
+        print(f"auto-resume: continuing {out} from {ckpt}", flush=True)
+        return True
+    removed = clear_unsaved_run(out) if out.exists() else []
+    if run.s3:
+        from flashdraft.run.s3 import restore_run
+
+        ckpt = restore_run(run.s3, out)
+        if ckpt is not None:
+            print(f"auto-resume: continuing {out} from {ckpt}, restored from {run.s3}", flush=True)
+            return True
+    where = f"{out} or {run.s3}" if run.s3 else str(out)
+    if removed:
+        print(
+            f"auto-resume: no complete checkpoint in {where} (the run stopped before its first save): "
+            f"removed what it wrote ({', '.join(removed)}) and starting it again",
+            flush=True,
+        )
+    else:
+        print(f"auto-resume: no checkpoint in {where}: starting the run", flush=True)
+    return False
+
+
+def clear_unsaved_run(out: Path) -> list[str]:
+    """Delete what a run that never completed a checkpoint wrote in `out` (RUN_ENTRIES, RUN/checkpoints'
+    partial saves) and return their names; `out` itself stays (it may be a mount point). Anything else
+    there is refused, named, and nothing is deleted: `out` is then not (only) a run's. config.yaml
+    stays: the run rewrites it as it starts, and it may be the --config of the very command that
+    restarts it."""
+    if not out.is_dir():
+        raise ValueError(f"--out {out} is not a directory")
+    entries = sorted(p.name for p in out.iterdir())
+    ckpts = out / "checkpoints"
+    held = sorted(p.name for p in ckpts.iterdir()) if ckpts.is_dir() else []
+    foreign = [
+        n
+        for n in entries
+        if n not in (*RUN_ENTRIES, "checkpoints") or (n == "checkpoints" and not ckpts.is_dir())
+    ]
+    foreign += [f"checkpoints/{n}" for n in held if not CHECKPOINT_ENTRY.fullmatch(n)]
+    if foreign:
+        raise ValueError(
+            f"{out} holds no complete checkpoint to continue, and files that no run writes "
+            f"({', '.join(foreign)}): nothing was deleted; choose another --out, or move them away"
+        )
+    removed = []
+    for name in entries:
+        if name == "config.yaml":
+            continue
+        path = out / name
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
+        removed.append(name)
+    return removed
 
 
 def load_target_layers(cfg: TrainConfig, source: RunSource, topo: Topology, layers: int | None) -> tuple:

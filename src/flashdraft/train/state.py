@@ -254,18 +254,26 @@ class Checkpointer:
     def finish(self) -> None:
         """Wait at most `s3_wait_s` for the uploads; a mirror that did not complete is an error naming
         what is missing (the run directory itself is whole)."""
+        missing = self.wait_for_mirror()
+        if missing:
+            raise MirrorIncomplete(
+                f"the S3 mirror is not complete; everything is in {self.out}, but: " + "; ".join(missing)
+            )
+
+    def wait_for_mirror(self) -> list[str]:
+        """Submit the run files once more, then wait at most `s3_wait_s` for every upload: at the end of
+        a run, and when a signal stops it, so that the checkpoint just written reaches the bucket before
+        the machine (and its disk) goes. Returns what did not complete (empty: all did, or no mirror)."""
         if self.mirror is None:
-            return
-        self.mirror_run_files()
+            return []
+        if not self.mirror.closed:
+            self.mirror_run_files()
         wait = self.cfg.s3_wait_s
         finished = self.mirror.close(timeout=wait)
         missing = list(self.mirror.failed)
         if not finished:
             missing.append(f"{self.mirror.pending()} uploads still queued after {wait:g} s (s3_wait_s)")
-        if missing:
-            raise MirrorIncomplete(
-                f"the S3 mirror is not complete; everything is in {self.out}, but: " + "; ".join(missing)
-            )
+        return missing
 
 
 def write_fingerprint(path: Path, extra: dict) -> None:

@@ -81,6 +81,18 @@ class Interrupted(RuntimeError):
     """Ctrl-C: the run stopped after a whole step, saved; the message names the checkpoint."""
 
 
+class Preempted(Interrupted):
+    """SIGTERM, what a scheduler sends before it kills: the run stopped after a whole step, saved."""
+
+
+def early_save_step(first: int, startup_s: float, step_s: float) -> int:
+    """The step of a process's first checkpoint (`early_save`): once the steps after its first have taken
+    as long as its start-up did, and at least one step after the first. `first`: the process's first
+    step; `startup_s`: from the process's start to the end of that step (loading, compilation); `step_s`:
+    what its second step took."""
+    return first + max(1, math.ceil(max(startup_s, 0.0) / max(step_s, 1e-6)))
+
+
 @dataclass
 class TrainResult:
     steps: int
@@ -289,7 +301,11 @@ class Trainer:
         serve_features(self.topo, feats, self.stream, until * per_step, self.message_shape(), start)
 
     def run(
-        self, progress=None, until: int | None = None, deadline: float | None = None
+        self,
+        progress=None,
+        until: int | None = None,
+        deadline: float | None = None,
+        started: float | None = None,
     ) -> TrainResult | None:
         """Train to `total_steps`; checkpoints every `save_every` steps and at the end (main rank).
 
@@ -298,7 +314,12 @@ class Trainer:
         deadline: a `time.time()` after which the run stops the same way, after the step (and its probe)
         in progress: a slice that ends on the clock rather than on a step count estimated from a timed
         step, whose estimate can run past the allocation before the slice saves. One process only: ranks
-        would pass the deadline at different steps."""
+        would pass the deadline at different steps.
+        started: the `time.time()` at which the process began to start up (`flashdraft train` gives it):
+        with `early_save`, its first checkpoint comes once the steps after its first have taken as long as
+        that start-up (`early_save_step`). None: no early checkpoint.
+        Ctrl-C or SIGTERM in a run of one process stops it after the step in progress with a checkpoint:
+        Interrupted, or Preempted for SIGTERM."""
         self.check_slice(until, deadline)
         until = until or self.total_steps  # a run resumed at its end saves and reports again
         if not self.topo.is_drafter:
@@ -307,7 +328,7 @@ class Trainer:
         if self.device.type == "cuda":  # mem_gib is this run's peak, not that of what the process did first
             torch.cuda.reset_peak_memory_stats()
         try:
-            return self._run(progress, until, deadline)
+            return self._run(progress, until, deadline, started if self.cfg.early_save else None)
         finally:
             if self.compiled:
                 reset_stance()
@@ -322,7 +343,7 @@ class Trainer:
                 "at different steps): give it a step to stop at instead"
             )
 
-    def _run(self, progress, until: int, deadline: float | None) -> TrainResult:
+    def _run(self, progress, until: int, deadline: float | None, started: float | None) -> TrainResult:
         cfg = self.cfg
         main = self.topo.is_main
         log = None
@@ -337,12 +358,19 @@ class Trainer:
             self.peak_fp8_tflops = matmul_tflops(self.device, fp8=True) if cfg.target_fp8 else None
         first = last = float("nan")
         window = Window(self.device)
+        first_step, first_done, early = self.step + 1, 0.0, None  # early: the early checkpoint's step
+        saved = False  # whether this process has written a checkpoint
         with self._stop_on_interrupt() as interrupted:
             while self.step < until:
                 stats = self.train_step_guarded()
                 step = self.step
                 window.add(stats)
                 late = deadline is not None and time.time() >= deadline and step < until
+                if started is not None and step == first_step:
+                    first_done = time.time()
+                elif started is not None and step == first_step + 1:  # the drafter ranks agree on it
+                    at = early_save_step(first_step, first_done - started, time.time() - first_done)
+                    early = int(self.topo.drafter_max(float(at)))
                 if step == 1:
                     first = float(self.topo.drafter_sum_(stats.loss_sum.clone()) / stats.weight_sum)
                 if self.tau_probe is not None and (step % cfg.eval_every == 0 or step == self.total_steps):
@@ -359,21 +387,21 @@ class Trainer:
                         if progress is not None:
                             progress(step, self.total_steps, m["loss"])
                     window = Window(self.device, self.remote.wait_s if self.remote else 0.0)
-                saving = cfg.save_every and step % cfg.save_every == 0 and step != self.total_steps
-                if saving or step % cfg.log_every == 0 or interrupted():
+                periodic = cfg.save_every and step % cfg.save_every == 0
+                saving = (periodic or (step == early and not saved)) and step < until  # else saved below
+                stop = interrupted() is not None and step != self.total_steps
+                if saving or step % cfg.log_every == 0 or stop:
                     self._check_finite()
-                if interrupted() and step != self.total_steps:
-                    path = self.save()
+                if late and not stop:  # saved below
+                    break
+                if saving or stop:
+                    path, saved = self.save(), True
+                    stop = interrupted() is not None and step != self.total_steps  # or during the save
+                if stop:
                     if main:
                         log.close()
-                    raise Interrupted(
-                        f"interrupted after step {step}: saved {path}; --resume {self.out} continues"
-                    )
-                if late:  # saved below
-                    break
-                if saving:
-                    self.save()
-        ckpt = self.save()
+                    raise self._stopped(interrupted(), step, path, self.checkpoints.wait_for_mirror())
+            ckpt = self.save()  # a signal now lets it finish: the run (or its slice) is then complete
         if self.step < self.total_steps:
             if main:
                 log.close()
@@ -387,31 +415,55 @@ class Trainer:
             self.checkpoints.finish()
         return TrainResult(self.total_steps, last, first, ckpt)
 
+    def _stopped(self, signum: int, step: int, path: Path | None, unmirrored: list[str]) -> Interrupted:
+        """What stops the run after a signal: `unmirrored`, what of an S3 mirror did not complete."""
+        mirror = f" (the S3 mirror is not complete: {'; '.join(unmirrored)})" if unmirrored else ""
+        if signum == signal.SIGTERM:
+            return Preempted(
+                f"preempted (SIGTERM) after step {step}: saved {path}{mirror}; the same command with "
+                f"--auto-resume (or --resume {self.out}) continues"
+            )
+        return Interrupted(
+            f"interrupted after step {step}: saved {path}{mirror}; --resume {self.out} continues"
+        )
+
     @contextlib.contextmanager
     def _stop_on_interrupt(self):
-        """In a one-process run, Ctrl-C asks the loop to stop after the step it is in, save, and raise
-        Interrupted; a second Ctrl-C interrupts at once. A run of several ranks keeps the default (its
-        ranks would not stop at the same step): its last checkpoint is what it resumes from."""
-        asked = []
+        """In a one-process run, Ctrl-C or SIGTERM asks the loop to stop after the step it is in, save,
+        and raise Interrupted (Preempted for SIGTERM; the first signal decides which). A second Ctrl-C
+        stops at once (KeyboardInterrupt); a second SIGTERM changes nothing: schedulers and the scripts
+        around a run often deliver one twice, and SIGKILL is their way to stop at once. A run of several
+        ranks keeps the handlers it had (its ranks would not stop at the same step): its last
+        checkpoint is what it resumes from. The context gives a function that returns the first signal
+        asked, or None."""
+        asked: list[int] = []
         in_main = threading.current_thread() is threading.main_thread()
-        # a process started with SIGINT ignored (a shell's background job) keeps ignoring it
-        if self.topo.world_size > 1 or not in_main or signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
-            yield lambda: False
+        if self.topo.world_size > 1 or not in_main:
+            yield lambda: None
             return
+        # a process started with a signal ignored (SIGINT in a shell's background job) keeps ignoring it
+        caught = [s for s in (signal.SIGINT, signal.SIGTERM) if signal.getsignal(s) is not signal.SIG_IGN]
+
+        def put_back(s: int) -> None:
+            signal.signal(s, signal.SIG_DFL if previous[s] is None else previous[s])
 
         def handler(signum, frame):
+            if signal.SIGINT in caught:
+                put_back(signal.SIGINT)
+            if asked:
+                return
             asked.append(signum)
-            signal.signal(signal.SIGINT, previous)
-            print(
-                "\ninterrupted: stopping after this step, then saving (Ctrl-C again stops at once)",
-                flush=True,
+            what, again = (
+                ("interrupted", "Ctrl-C again") if signum == signal.SIGINT else ("SIGTERM", "Ctrl-C")
             )
+            print(f"\n{what}: stopping after this step, then saving ({again} stops at once)", flush=True)
 
-        previous = signal.signal(signal.SIGINT, handler)
+        previous = {s: signal.signal(s, handler) for s in caught}
         try:
-            yield lambda: bool(asked)
+            yield lambda: asked[0] if asked else None
         finally:
-            signal.signal(signal.SIGINT, previous)
+            for s in caught:
+                put_back(s)
 
     def _metrics(self, stats: StepStats, window: Window) -> dict:
         """The log line's numbers: the step's loss and accuracy, the window's rates (all ranks)."""
