@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 from transformers import Qwen3ForCausalLM
 
@@ -48,3 +50,17 @@ def packed_batch(rows: list[list[int]], seq_len: int, seed: int = 0) -> PackedBa
     """rows: document lengths per row, e.g. [[20, 30], [50]]."""
     docs = [random_docs(row, seed=seed + k) for k, row in enumerate(rows)]
     return collate_rows(docs, seq_len, pad_token_id=0)
+
+
+def signal_after_step(trainer, at: int, signum: int) -> None:
+    """Make `trainer` send this process `signum` once its step `at` is done: a Ctrl-C or a scheduler's
+    SIGTERM in the middle of a run."""
+    step = trainer.train_step
+
+    def step_then_signal(*args, **kwargs):
+        stats = step(*args, **kwargs)
+        if trainer.step == at:
+            os.kill(os.getpid(), signum)
+        return stats
+
+    trainer.train_step = step_then_signal

@@ -3,7 +3,6 @@ raw traceback; a damaged checkpoint falls back to the one before it; Ctrl-C save
 
 import errno
 import json
-import os
 import signal
 
 import pytest
@@ -15,7 +14,7 @@ from flashdraft.data.packing import save_token_dataset
 from flashdraft.model.checkpoint import latest_checkpoint
 from flashdraft.train.build import build_trainer
 from flashdraft.train.trainer import Interrupted
-from helpers import random_docs
+from helpers import random_docs, signal_after_step
 
 
 @pytest.fixture(scope="module")
@@ -147,15 +146,7 @@ def test_ctrl_c_stops_after_the_step_saves_and_the_run_resumes(tmp_path, tiny_ta
     before = signal.signal(signal.SIGINT, signal.default_int_handler)
     out = tmp_path / "run"
     trainer = build_trainer(_cfg(max_steps=6), tiny_target_dir, data_dir, out, device="cpu")
-    step = trainer.train_step
-
-    def step_then_ctrl_c(*args, **kwargs):
-        stats = step(*args, **kwargs)
-        if trainer.step == 2:
-            os.kill(os.getpid(), signal.SIGINT)
-        return stats
-
-    trainer.train_step = step_then_ctrl_c
+    signal_after_step(trainer, 2, signal.SIGINT)
     try:
         with pytest.raises(
             Interrupted, match=f"interrupted after step 2: saved .*step_000002; --resume {out}"

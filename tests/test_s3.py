@@ -382,7 +382,7 @@ def test_a_run_stopped_by_sigterm_waits_until_its_last_checkpoint_is_in_the_buck
     from flashdraft.data.packing import save_token_dataset
     from flashdraft.train.build import build_trainer
     from flashdraft.train.trainer import Preempted
-    from helpers import random_docs
+    from helpers import random_docs, signal_after_step
 
     client = new_bucket(server, monkeypatch, "preempted")
     save_token_dataset(random_docs([70, 90, 120, 60] * 3, seed=4, prompt_len=10), tmp_path / "data")
@@ -390,15 +390,7 @@ def test_a_run_stopped_by_sigterm_waits_until_its_last_checkpoint_is_in_the_buck
     cfg = resolve_config("default", **over, **{"drafter.num_layers": 1, "drafter.num_taps": 2})
     trainer = build_trainer(cfg, tiny_target_dir, tmp_path / "data", tmp_path / "run", device="cpu",
                             s3_url="s3://preempted/r")  # fmt: skip
-    step = trainer.train_step
-
-    def step_then_sigterm(*args, **kwargs):
-        stats = step(*args, **kwargs)
-        if trainer.step == 2:
-            os.kill(os.getpid(), signal.SIGTERM)
-        return stats
-
-    trainer.train_step = step_then_sigterm
+    signal_after_step(trainer, 2, signal.SIGTERM)
     before = signal.signal(signal.SIGTERM, signal.default_int_handler)  # if the trainer did not catch it
     try:
         with pytest.raises(Preempted, match="after step 2"):

@@ -13,11 +13,11 @@ and skipped (a source tree holds images and archives); an input with no usable f
 
 from __future__ import annotations
 
-import json
-import os
 import random
 from dataclasses import dataclass
 from pathlib import Path
+
+from flashdraft.data.humaneval import write_prompts
 
 
 @dataclass
@@ -111,10 +111,6 @@ def write_prefix_prompts(
             + (f" ({len(summary.skipped)} not UTF-8)" if summary.skipped else "")
         )
     records = records[:count] if count is not None else records
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp")
-    tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records), encoding="utf-8")
-    os.replace(tmp, out)
+    write_prompts(records, out)
     summary.prompts = len(records)
     return summary

@@ -37,7 +37,7 @@ from flashdraft.data.formats import (
     with_reasoning,
 )
 from flashdraft.data.progress import progress_bar
-from flashdraft.data.tokenize import no_template_message
+from flashdraft.data.tokenize import has_chat_template, no_template_message
 from flashdraft.model.grouped_attention import use_grouped_attention
 from flashdraft.model.target import default_device, stop_token_ids
 
@@ -297,7 +297,7 @@ class LocalBackend:
         elif attention is not None:
             self.model.set_attn_implementation(attention)
         self.attention_name = self.model.config._attn_implementation
-        self.plain = not tokenizer.chat_template  # prompt records continued as plain text (a base model)
+        self.plain = not has_chat_template(tokenizer)  # prompt records continued as plain text (a base model)
         self.stop_ids = _stop_ids(model, tokenizer)
         if tokenizer.pad_token_id is None:  # batches are left-padded (masked); a copy pads with a stop id
             tokenizer = copy.deepcopy(tokenizer)

@@ -38,7 +38,7 @@ from typing import Protocol
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from flashdraft.data.tokenize import prompt_ids
+from flashdraft.data.tokenize import has_chat_template, prompt_ids
 from flashdraft.eval.ngram import NgramProposer
 from flashdraft.eval.static import (
     Graphs,
@@ -410,7 +410,7 @@ def encode_prompt(tokenizer, messages: list[dict], thinking: bool = False) -> li
     """Token ids of the chat template with the generation prompt (`enable_thinking` set as given). A
     target without a chat template is given a {"prompt"} record's text as it is (flashdraft.data.formats:
     the same rule as its training data), with the tokenizer's own special tokens."""
-    if not tokenizer.chat_template:
+    if not has_chat_template(tokenizer):
         if len(messages) != 1 or messages[0]["role"] != "user":
             raise ValueError(
                 'the target has no chat template: a prompt for it is one {"prompt": TEXT} record, '
