@@ -42,7 +42,8 @@ def test_bench_tiny_reports_throughput_mfu_and_phases(tmp_path):
     assert r["ctx_tok_s"] > 0 and r["draft_pos_s"] > 0 and 0 < r["mfu"] < 1
     # the target forward's own share of peak: its FLOPs over its phase's time
     tiny, kept = shape_config("tiny"), r["settings"]["target_layers_run"]
-    target = step_flops(tiny, drafter_config(tiny, 5, None, 3, 16, 511), kept, 128, 8 * 16, 8 * 15)
+    target = step_flops(tiny, drafter_config(tiny, 5, None, 3, 16, 511), kept, 128, 8 * 16, 8 * 15, 128 // 4)
+    assert r["documents"] == 4  # six by default, as many of 32 tokens as a row of 128 holds
     seconds, peak = r["phases_ms"]["target_forward"] / 1000, r["matmul_tflops"] * 1e12
     assert r["target_forward_mfu"] == pytest.approx(target["target"] / seconds / peak, rel=1e-6)
     phases = {"target_forward", "block_mask", "drafter_forward", "loss_forward", "backward", "optimizer"}

@@ -161,6 +161,9 @@ def shape_source(shape: str, tcfg: PretrainedConfig, documents: int = 1) -> RunS
     return RunSource(tcfg, load, batches, record)
 
 
+DEFAULT_DOCUMENTS = 6  # a row of real data packs about six documents (docs/results.md)
+
+
 class SyntheticStream:
     """Micro-batch m: rows of `documents` random documents of equal length laid end to end (the last one
     takes the remainder), the first 10% of each a prompt. One document a row runs the target's plain
@@ -245,7 +248,7 @@ def run_bench(
     target_fp8: bool = False,
     profile: Path | None = None,
     target_attention: str = "auto",
-    documents: int = 1,
+    documents: int | None = None,
     architecture: str = "dflash",
 ) -> BenchResult | None:
     """One process, or one rank of `flashdraft bench --nproc N` (under torchrun): every rank runs
@@ -275,6 +278,8 @@ def run_bench(
     )
     run = {"target": f"shape:{shape}", "data": "synthetic", "out": _UNUSED_OUT, "layout": layout}
     config = run_config(cfg, **run, device=device)
+    if documents is None:  # real data's shape, as far as the row holds documents of 32 tokens or more
+        documents = min(DEFAULT_DOCUMENTS, seq_len // 32)
     trainer = build(config, shape_source(shape, tcfg, documents))  # as `flashdraft train` builds a run
     documents = int(trainer.stream[0].doc_ids[0].max()) + 1  # what the rows hold, read back
     topo, dev = trainer.topo, trainer.device

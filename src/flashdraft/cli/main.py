@@ -420,8 +420,10 @@ def bench(
     ),
     drafter_layers: int = typer.Option(5, help="drafter layers"),
     architecture: str = typer.Option("dflash", help="the drafter's: dflash or dflash2 (default sizes)"),
-    documents: int = typer.Option(
-        1, help="documents packed in a row (several: the target keeps them apart, as with real data)"
+    documents: int | None = typer.Option(
+        None,
+        help="documents packed in a row, the target keeping them apart (default: 6, real data's shape, "
+        "or as many of 32 tokens or more as the row holds); 1: the plain causal kernel",
     ),
     steps: int = typer.Option(10, help="measured steps (median reported)"),
     warmup: int = typer.Option(3, help="warm-up steps (the first compiles)"),
@@ -434,7 +436,9 @@ def bench(
     layout: str = typer.Option("colocated", help="colocated, or split:T:D (with --nproc T+D)"),
     target_fp8: bool = typer.Option(False, "--target-fp8", help="the target's linears in FP8 (target_fp8)"),
     target_attention: str = typer.Option(
-        "auto", help="the target's attention: auto (the model's own choice), sdpa, eager, flex_attention, ..."
+        "auto",
+        help="the target's attention: auto (packed rows on a GPU: the faster of sdpa and flex_attention, "
+        "measured; else the model's own), sdpa, eager, flex_attention, ...",
     ),
     nproc: int | None = typer.Option(None, help="launch N processes on this machine (torch's launcher)"),
     json_out: Path | None = typer.Option(None, "--json", help="write the result as JSON here"),

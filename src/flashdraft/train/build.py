@@ -152,6 +152,7 @@ def build(config: RunConfig, source: RunSource | None = None) -> Trainer:
     drafter.config.flashdraft_target = source.target_record(model)  # written with every checkpoint
     batches = source.batches(cfg, model, tokenizer, target.packing)
     del model  # the Target holds it
+    measure_target_attention(cfg, target, batches.stream, topo)
     out = Path(run.out)
     if resume and (out / "config.yaml").is_file():
         saved = yaml.safe_load((out / "config.yaml").read_text()) or {}
@@ -167,6 +168,33 @@ def build(config: RunConfig, source: RunSource | None = None) -> Trainer:
         cfg, target, drafter, batches.stream, steps, topo, out, batches.record, resume,
         val_loader=batches.val, tau_probe=probe, mirror=mirror, mask=mask,
     )  # fmt: skip
+
+
+def measure_target_attention(
+    cfg: TrainConfig, target: Target, stream, topo: Topology, devices: tuple[str, ...] = ("cuda",)
+) -> None:
+    """`train.target_attention: auto` on a GPU with packed rows: the target's attention measured on the
+    first micro-batch (flashdraft.train.target_attention), the main rank's choice taken by every target
+    rank. Elsewhere (a CPU, one document a row, a sharded target) the model's own stays."""
+    if cfg.target_attention != "auto" or topo.device.type not in devices or topo.target_group is not None:
+        return
+    if target.packing != "positions":
+        return
+    batch = stream[0]
+    choice = None
+    if topo.is_target and not batch.plain_causal:
+        from flashdraft.train.compile import use_cache_dir
+        from flashdraft.train.target_attention import choose_target_attention
+
+        device = topo.device
+        cache = use_cache_dir(None, device)
+        ids, positions = batch.input_ids.to(device), batch.position_ids.to(device)
+        choice = choose_target_attention(target, ids, positions, cache)
+    main = topo.gather_objects(choice.name if choice else None)[0]
+    if main is not None and topo.is_target:
+        target.model.set_attn_implementation(main)
+    if choice is not None and topo.is_main:
+        print(choice.line(), flush=True)
 
 
 def build_trainer(
