@@ -17,6 +17,7 @@ from flashdraft.eval.report import acceptance_by_position, build_report, method_
 from flashdraft.eval.spec import (
     DFlashProposer,
     Generation,
+    StopText,
     chat_messages,
     decoding_target,
     encode_prompt,
@@ -154,6 +155,25 @@ def test_stop_token_ends_generation_and_is_kept():
     assert out.tokens == plain[: plain.index(stop) + 1]
     assert sum(out.accept_lengths) == len(out.tokens) - 1
     assert out.verify_sizes[-1] > out.accept_lengths[-1]  # the stop cut a cycle short
+
+
+@pytest.mark.parametrize("kind", ["trained", "ngram", None])
+def test_a_stop_string_ends_generation_at_the_token_that_completes_it(kind):
+    """As a completions API's stop: the new text is searched (a stop string across two tokens here), the
+    token that completes it is kept, and every method ends at the same token."""
+    s = tiny_setup()
+    tokenizer = SimpleNamespace(decode=lambda ids, skip_special_tokens: "".join(f"[{t}]" for t in ids))
+    ids = torch.tensor([s.prompts[2]])
+    plain = generate(s.target, ids, NEW_TOKENS).tokens
+    pairs = list(zip(plain, plain[1:], strict=False))
+    i = next(i for i in range(14, len(pairs)) if pairs[i] not in pairs[:i])  # a pair first seen late
+    stop = StopText(tokenizer, [f"[{plain[i]}][{plain[i + 1]}]", "never"])
+    proposer = _proposer(kind, s) if kind else None
+    out = generate(s.target, ids, NEW_TOKENS, proposer, BLOCK, stop_text=stop)
+    assert out.tokens == plain[: i + 2]
+    assert sum(out.accept_lengths) == len(out.tokens) - 1
+    with pytest.raises(ValueError, match="non-empty strings"):
+        StopText(tokenizer, [""])
 
 
 def test_eval_tau_is_the_mean_of_per_sample_tau_and_restores_training_mode():
@@ -429,3 +449,19 @@ def test_eval_cli_rejects_a_bad_prompt_record(tmp_path, tiny_target_dir, tiny_dr
     result = CliRunner().invoke(_cli(), [*args, "--out", str(tmp_path / "r.json")])
     assert result.exit_code == 2
     assert "prompts.jsonl:2" in result.output and "messages" in result.output
+
+
+def test_eval_cli_takes_stop_strings_and_humaneval_stops(tmp_path, tiny_target_dir, tiny_drafter_dir):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": "import os"}) + "\n")
+    report_path = tmp_path / "report.json"
+    args = _eval_args(tiny_target_dir, tiny_drafter_dir, prompts)
+    args += ["--out", str(report_path), "--max-new-tokens", "8", "--device", "cpu"]
+    result = CliRunner().invoke(_cli(), [*args, "--stop", r"a\nb\\n", "--humaneval-stops"])
+    assert result.exit_code == 0, result.output
+    stops = json.loads(report_path.read_text())["settings"]["stop_strings"]
+    assert stops == ["a\nb\\n", "\nclass", "\ndef", "\n#", "\nif", "\nprint"]
+    result = CliRunner().invoke(_cli(), [*args, "--stop", ""])
+    assert result.exit_code == 2 and "empty stop string" in result.output
+    result = CliRunner().invoke(_cli(), [*args, "--humaneval-stops", "--reference"])
+    assert result.exit_code == 2 and "without stops" in result.output

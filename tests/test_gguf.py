@@ -412,3 +412,43 @@ def test_the_gemma3_demo_names_the_packages_it_needs(monkeypatch, tmp_path):
     monkeypatch.setenv("FLASHDRAFT_GEMMA3_GGUF", str(tmp_path / "missing.gguf"))
     result = CliRunner().invoke(app, ["demo", "--target", "gemma3", "--out", str(tmp_path / "d")])
     assert result.exit_code == 2 and "missing.gguf: no such file" in result.output
+
+
+def test_a_base_models_humaneval_is_also_decoded_with_the_completion_stops(tmp_path, monkeypatch):
+    """For a target without a chat template the evals add HumanEval under its completion protocol
+    (stops at the next top-level statement, "humaneval_stops"); the other sets decode without stops."""
+    import dataclasses
+
+    from flashdraft.data.humaneval import STOPS
+    from flashdraft.demo import real_target
+    from flashdraft.eval import report as report_module
+    from flashdraft.model import target
+
+    scale = dataclasses.replace(real_target.SCALES["gemma3"], temperatures=(0.0,), reference_prompts=0)
+    monkeypatch.setattr(real_target, "gemma3_gguf", lambda: tmp_path / "x.gguf")
+    monkeypatch.setattr(real_target, "gguf_to_hf", lambda path, out: out)
+    monkeypatch.setattr(target, "load_tokenizer", lambda path: None)
+    monkeypatch.setattr(
+        "flashdraft.data.humaneval.humaneval_prompts", lambda: [{"id": "h", "prompt": "def f():"}]
+    )
+    stops = []
+
+    def compare(target_dir, checkpoint, conversations, *args, stop_strings=(), **kwargs):
+        stops.append(tuple(stop_strings))
+        stat = {"tau": 2.0, "tau_stderr": 0.1}
+        return {"dflash": stat, "ngram": stat, "tau_ratio_dflash_over_ngram": {}, "speedup": {}}
+
+    monkeypatch.setattr(report_module, "compare_methods", compare)
+    monkeypatch.setattr(report_module, "print_table", lambda *a: None)
+    monkeypatch.setattr(report_module, "write_report", lambda report, path: path.parent.mkdir(exist_ok=True)
+                        or path.write_text(json.dumps(report)))  # fmt: skip
+    for kind in ("text", "code"):
+        turns = [{"id": f"{kind}-{i}", "prompt": "x"} for i in range(4)]
+        (tmp_path / f"prompts.{kind}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in turns))
+    stages = ["target", "prompts", "regenerate", "prepare", "drafter"]
+    summary = {"scale": json.loads(json.dumps(dataclasses.asdict(scale))), "stages": stages, "seconds": {},
+               "checkpoint": str(tmp_path / "ckpt")}  # fmt: skip
+    (tmp_path / "summary.json").write_text(json.dumps(summary))
+    result = real_target.run_real_target(tmp_path, 5.0, scale)
+    assert list(result["eval"]) == ["humaneval_t0", "humaneval_stops_t0", "held_out_t0"]
+    assert stops == [(), STOPS, ()]

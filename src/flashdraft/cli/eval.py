@@ -7,11 +7,14 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 import tempfile
 from pathlib import Path
 
 import typer
 import yaml
+
+from flashdraft.data.humaneval import STOPS as HUMANEVAL_STOPS
 
 
 def _fail(message: str, code: int = 2) -> None:
@@ -51,6 +54,17 @@ def eval_cmd(
     target_attention: str = typer.Option(
         "auto", help="the target's attention: auto (sdpa where the model supports it, else eager), or a name"
     ),
+    stop: list[str] = typer.Option(
+        [],
+        help="end a decoding once its new text holds this string (repeatable; \\n and \\t are read as a "
+        "newline and a tab), as a completions API's stop",
+    ),
+    humaneval_stops: bool = typer.Option(
+        False,
+        "--humaneval-stops",
+        help="add HumanEval's completion stops (the Codex paper's: \\nclass \\ndef \\n# \\nif \\nprint), "
+        "for a base model continuing HumanEval's prompts",
+    ),
     reference: bool = typer.Option(
         False,
         help="also decode with the reference `dflash` package (pip install --no-deps dflash==0.1.0) on the "
@@ -64,6 +78,11 @@ def eval_cmd(
 
     if reference and temperature > 0:
         _fail("--reference compares greedy decoding: use it with --temperature 0")
+    stops = [unescape(t) for t in stop] + (list(HUMANEVAL_STOPS) if humaneval_stops else [])
+    if reference and stops:
+        _fail("--reference: the reference package stops at end-of-sequence tokens only; run it without stops")
+    if any(not t for t in stops):
+        _fail("--stop: an empty stop string would end every decoding at once")
     try:
         check_draft_sampling(draft_sampling, temperature)
     except ValueError as e:
@@ -86,6 +105,7 @@ def eval_cmd(
             cuda_graphs=cuda_graphs,
             attention=target_attention,
             draft_sampling=draft_sampling,
+            stop_strings=stops,
         )
     except (ValueError, FileNotFoundError, OSError) as e:
         _fail(str(e))
@@ -121,6 +141,11 @@ def _reference(report: dict, target: str, drafter: Path, conversations, thinking
             report["settings"]["device"],
             Path(tmp) / "zlab",
         )
+
+
+def unescape(text: str) -> str:
+    """A stop string as typed: \\n, \\t and \\\\ read as a newline, a tab and a backslash."""
+    return re.sub(r"\\([nt\\])", lambda m: {"n": "\n", "t": "\t", "\\": "\\"}[m.group(1)], text)
 
 
 def _run_target(ckpt: Path) -> str | None:

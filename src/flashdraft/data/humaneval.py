@@ -15,6 +15,10 @@ import json
 import os
 from pathlib import Path
 
+# The Codex paper's stop sequences for HumanEval completions (Chen et al. 2021, section 2.3): a
+# function's body ends at the next top-level statement.
+STOPS = ("\nclass", "\ndef", "\n#", "\nif", "\nprint")
+
 
 def humaneval_file() -> Path:
     try:

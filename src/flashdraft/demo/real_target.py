@@ -25,8 +25,9 @@ Stages, each written under OUT and skipped when a later run finds its output com
    resuming the last one's checkpoint; every run's steps end on the clock (`Trainer.run(deadline=...)`),
    with the time to save, report and evaluate still left;
 6. eval: `flashdraft eval`'s report (DFlash, n-gram, plain decoding) at T = 0 (and T = 1) on HumanEval
-   and on the held-out prompts; a report starts only when the budget has time left for the longest one
-   timed so far, else the next run goes on from it;
+   and on the held-out prompts (for a base model HumanEval also with its completion stops, the set
+   "humaneval_stops"); a report starts only when the budget has time left for the longest one timed so
+   far, else the next run goes on from it;
 7. reference (with `reference_prompts`): the drafter exported to the z-lab layout and decoded by the
    reference `dflash` package on the first HumanEval prompts, next to our tau on each.
 The summary names every stage's seconds, the drafter's steps and training tokens, and every tau.
@@ -364,7 +365,10 @@ def run_real_target(
 
     from flashdraft.data.humaneval import humaneval_prompts
 
-    sets = {"humaneval": humaneval_prompts()[: scale.humaneval], "held_out": held}
+    humaneval = humaneval_prompts()[: scale.humaneval]
+    sets = {"humaneval": humaneval, "held_out": held}
+    if not TARGETS[scale.target].chat:  # a base model's HumanEval also as the benchmark's completions
+        sets = {"humaneval": humaneval, STOPPED: humaneval, "held_out": held}
     if run.todo("drafter") and _train_drafter(run, tokenizer, target_dir, sets):
         return run.summary
     if run.todo("eval") and _evaluate(run, target_dir, sets):
@@ -531,9 +535,15 @@ def _train_drafter(run: _Progress, tokenizer, target_dir: Path, sets: dict[str, 
     return run.done("drafter", **drafter)
 
 
+# HumanEval decoded as its completion protocol has it: each decoding ends at the next top-level statement
+# (`flashdraft eval --humaneval-stops`), where the set "humaneval" decodes every prompt's eval_tokens
+STOPPED = "humaneval_stops"
+
+
 def _evaluate(run: _Progress, target_dir: Path, sets: dict[str, list[dict]]) -> bool:
     """Stage 6: one `flashdraft eval` report per prompt set and temperature; a report starts only when
     this run has the longest one timed so far left."""
+    from flashdraft.data.humaneval import STOPS as HUMANEVAL_STOPS
     from flashdraft.eval.report import compare_methods, print_table, write_report
     from flashdraft.eval.spec import chat_messages
 
@@ -554,6 +564,7 @@ def _evaluate(run: _Progress, target_dir: Path, sets: dict[str, list[dict]]) -> 
                 report = compare_methods(
                     target_dir, summary["checkpoint"], [chat_messages(r) for r in records],
                     scale.eval_tokens, temperature, device=scale.device, cuda_graphs=scale.cuda_graphs,
+                    stop_strings=HUMANEVAL_STOPS if name == STOPPED else (),
                 )  # fmt: skip
                 write_report(report, path)
                 report_s[key] = round(time.time() - started, 1)

@@ -22,6 +22,7 @@ from rich.table import Table
 from flashdraft.eval.spec import (
     METHODS,
     Generation,
+    StopText,
     decoding_target,
     encode_prompt,
     mean_tau,
@@ -32,8 +33,8 @@ from flashdraft.model.target import default_device, stop_token_ids
 
 TAU_DEFINITION = (
     "acceptance length = tokens a verify cycle commits (accepted drafts + 1 bonus token, cut at a stop "
-    "token or the token budget), in [1, B]; tau = its mean per sample, then the mean over samples; "
-    "the block shrinks to the remaining budget near the end, as in the reference dflash package"
+    "token, a stop string or the token budget), in [1, B]; tau = its mean per sample, then the mean over "
+    "samples; the block shrinks to the remaining budget near the end, as in the reference dflash package"
 )
 SPECULATIVE = ("dflash", "ngram")
 
@@ -263,12 +264,14 @@ def compare_methods(
     attention: str = "auto",
     methods: Sequence[str] = METHODS,
     draft_sampling: str = "auto",
+    stop_strings: Sequence[str] = (),
 ) -> dict:
     """Load the target (HF directory or hub id) and the drafter checkpoint, decode every conversation with
     plain decoding, DFlash and prompt lookup, and return the report (`build_report`). cuda_graphs: see
     `run_methods`; attention: the target's (`flashdraft.model.target.load_target`). `methods`: fewer of
     them give a report of their statistics alone (no speedup or ratio), e.g. one method's tau where the
-    others were measured elsewhere. draft_sampling: DFlash's drafts, as in `run_methods`."""
+    others were measured elsewhere. draft_sampling: DFlash's drafts, as in `run_methods`. stop_strings:
+    each decoding ends once its new text holds one (`StopText`), e.g. HumanEval's for completions."""
 
     from flashdraft.model.checkpoint import load_drafter
     from flashdraft.model.target import load_target
@@ -281,9 +284,10 @@ def compare_methods(
     draft_sampling = resolve_draft_sampling(draft_sampling, draft, temperature)
     ids = [encode_prompt(tokenizer, c, thinking) for c in conversations]
     stops = stop_token_ids(model, tokenizer)
+    stop_text = StopText(tokenizer, stop_strings) if stop_strings else None
     results = run_methods(
         spec_target, draft, ids, max_new_tokens, block, temperature, stops, seed, progress, cuda_graphs,
-        methods, draft_sampling,
+        methods, draft_sampling, stop_text,
     )  # fmt: skip
     settings = {
         "target": str(target),
@@ -299,6 +303,7 @@ def compare_methods(
         "seed": seed,
         "cuda_graphs": cuda_graphs,
         "target_attention": model.config.get_text_config()._attn_implementation,
+        "stop_strings": list(stop_strings),
     }
     if set(methods) != set(METHODS):
         stats = {m: method_summary(gens, block) for m, gens in results.items()}

@@ -19,8 +19,9 @@ independent sample, and otherwise keeping that sample, draws every token from th
 distribution (lossless). Sampled drafts carry their proposal distribution q (`Proposal`) and are
 verified by standard speculative sampling (`speculative_sample`), lossless for any q.
 
-Acceptance length of a cycle = tokens it commits (accepted drafts + the bonus, cut at a stop token or
-the budget), in [1, B]; tau = its mean per sample, then the mean over samples (as `dflash` computes it).
+Acceptance length of a cycle = tokens it commits (accepted drafts + the bonus, cut at a stop token, a
+stop string or the budget), in [1, B]; tau = its mean per sample, then the mean over samples (as
+`dflash` computes it).
 transformers' `generate` has no hook for a drafter fed by target hidden states, hence this loop.
 """
 
@@ -305,6 +306,28 @@ def _verify(
     return torch.cat([drafts[:accepted], picked[accepted : accepted + 1]]).tolist()
 
 
+class StopText:
+    """Stop strings, as a completions API takes them: decoding ends at the first token after which the
+    new text (the prompt's not included) holds one of `strings`, that token kept. HumanEval's
+    completion protocol stops a function's body at the next top-level statement this way."""
+
+    def __init__(self, tokenizer, strings: Sequence[str]):
+        if not strings or any(not isinstance(t, str) or not t for t in strings):
+            raise ValueError(f"stop strings must be non-empty strings, got {list(strings)!r}")
+        self.tokenizer, self.strings = tokenizer, tuple(strings)
+
+    def _found(self, tokens: list[int]) -> bool:
+        text = self.tokenizer.decode(tokens, skip_special_tokens=False)
+        return any(t in text for t in self.strings)
+
+    def keep(self, before: list[int], new: list[int]) -> int | None:
+        """How many of `new` to commit when, after `before` (the new tokens so far, none of which
+        completed a stop string), they complete one; None when they do not."""
+        if not self._found(before + new):
+            return None
+        return next(k for k in range(1, len(new) + 1) if self._found(before + new[:k]))
+
+
 def _cut_at_stop(tokens: list[int], stops: set[int]) -> tuple[list[int], bool]:
     for i, t in enumerate(tokens):
         if t in stops:
@@ -323,8 +346,10 @@ def generate(
     stop_token_ids: Sequence[int] = (),
     generator: torch.Generator | None = None,
     static: StaticTarget | None = None,
+    stop_text: StopText | None = None,
 ) -> Generation:
-    """Decode up to `max_new_tokens` after prompt_ids [1, n] (stop tokens are kept in the output).
+    """Decode up to `max_new_tokens` after prompt_ids [1, n] (stop tokens are kept in the output, and so
+    is the token that completes a stop string of `stop_text`).
 
     With a proposer, each cycle verifies its drafts (at most block_size - 1); without one, every cycle
     verifies a single token: plain autoregressive decoding by the same code. With `static`, the
@@ -348,7 +373,7 @@ def generate(
         proposer.observe(prompt_ids, features, 0)
 
     start = prompt_ids.shape[1]
-    stopped = out.tokens[0] in stops
+    stopped = out.tokens[0] in stops or (stop_text is not None and stop_text.keep([], out.tokens) == 1)
     while start + 1 < max_length and not stopped:
         size = min(width, max_length - start)
         drafts = proposer.propose(last, start, size - 1) if size > 1 else last.new_empty((1, 0))
@@ -357,6 +382,8 @@ def generate(
         logits, features = forwards.forward(block, start)
         new = _verify(logits, proposal, temperature, generator)
         new, stopped = _cut_at_stop(new[: max_length - start - 1], stops)
+        if stop_text is not None and (keep := stop_text.keep(out.tokens, new)) is not None:
+            new, stopped = new[:keep], True
         kept = len(new)
         forwards.keep(kept, block.shape[1])
         if proposer is not None:
@@ -592,6 +619,7 @@ def run_methods(
     cuda_graphs: bool = False,
     methods: Sequence[str] = METHODS,
     draft_sampling: str = "auto",
+    stop_text: StopText | None = None,
 ) -> dict[str, list[Generation]]:
     """Every prompt through plain decoding, DFlash and prompt lookup (or the `methods` named), interleaved
     so that drifting clocks hit all alike; one short warm-up run per method first (allocator, kernels,
@@ -600,7 +628,8 @@ def run_methods(
     not depend on which others run: each prompt's sampling generator is seeded per method.
     draft_sampling: DFlash's drafts, "argmax" (one-hot proposals), "sample" (each drawn from
     softmax(drafter logits / T), DFlash2's selector path sampled, with the prompt's generator and verified
-    by speculative sampling; T > 0) or "auto" (resolve_draft_sampling)."""
+    by speculative sampling; T > 0) or "auto" (resolve_draft_sampling). stop_text: stop strings, for
+    every method alike."""
     unknown = set(methods) - set(METHODS)
     if unknown or not methods:
         raise ValueError(f"methods must be among {METHODS}, got {list(methods)}")
@@ -629,7 +658,7 @@ def run_methods(
             results[method].append(
                 generate(
                     target, ids, max_new_tokens, proposer(method, gen), block_size, temperature,
-                    stop_tokens, gen, static,
+                    stop_tokens, gen, static, stop_text,
                 )
             )  # fmt: skip
         if progress is not None:
