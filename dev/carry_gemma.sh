@@ -30,7 +30,7 @@ case "${1:-}" in
     grep -qx "/.gemma0/" .git/info/exclude 2>/dev/null || echo "/.gemma0/" >> .git/info/exclude
     rm -rf .gemma0 && python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
       --implementation cp --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform any \
-      -d .gemma0 transformers==5.24.0 huggingface-hub==2.4.0 tokenizers==0.23.3
+      -d .gemma0 transformers==5.24.0 tokenizers==0.23.3  # the image's huggingface-hub 1.33 serves 5.24
     ls -l .gemma? ;;
   keep)
     mkdir -p "$KEEP"

@@ -5,9 +5,10 @@
 #   call 0 (carry .whl .gemma0):  bash dev/gemma3_gpu.sh site
 #   call 1 (carry .gemma1):       bash dev/carry_gemma.sh keep
 #   calls 2-4 (carry .gemma2, .gemma3, .gemma4):  bash dev/carry_gemma.sh keep
-#   call 5 (optional, 2 minutes):  the regeneration settings against the target alone (dev/regen_check.py)
-#                                 bash dev/gemma3_gpu.sh run --minutes 3 --stop-after prompts && PYTHONPATH=src \
-#                                   python3 dev/regen_check.py /root/keep/gproof/target /root/keep/gproof/prompts.code.jsonl
+#   call 5 (optional, 5 minutes):  the regeneration settings against the target alone (dev/regen_check.py)
+#                                 bash dev/gemma3_gpu.sh run --minutes 4 --stop-after prompts && \
+#                                   PYTHONPATH=/root/keep/site:src python3 dev/regen_check.py \
+#                                   /root/keep/gproof/target /root/keep/gproof/prompts.code.jsonl --batch 64
 #   call 6..:                     bash dev/gemma3_gpu.sh run [proof options, e.g. --minutes 9.3]
 # `run` joins the chunks once (hash checked), then continues the proof in /root/keep/gproof where it
 # stopped; logs, the summary, the evals and the drafter's weights (15 MiB parts) come back in $OUT.
