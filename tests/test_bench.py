@@ -194,3 +194,19 @@ def test_bench_refuses_to_profile_several_processes(tmp_path):
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 2 and "--profile profiles one process" in result.output
     assert not (tmp_path / "p").exists()
+
+
+def test_bench_medians_tabulates_the_median_of_each_configurations_runs(tmp_path):
+    from benchmarks.bench_medians import table
+
+    def result(step_ms, attention):
+        return {"step_ms": step_ms, "ctx_tok_s": 6144 / step_ms * 1000, "mfu": 0.7,
+                "target_forward_mfu": None, "peak_mem_gib": 44.8,
+                "settings": {"target_attention": attention}}  # fmt: skip
+
+    for k, step in enumerate([410.0, 400.0, 430.0], 1):
+        (tmp_path / f"packed.{k}.json").write_text(json.dumps(result(step, "flex_attention")))
+    (tmp_path / "one.1.json").write_text(json.dumps(result(300.0, "sdpa")))
+    lines = table(tmp_path, ["packed", "one", "missing"])
+    assert lines[2] == "| packed | 3 | 410.0 | 14,985 | 70.0% |  | 44.8 | flex_attention |"
+    assert lines[3].startswith("| one | 1 | 300.0 | 20,480 |") and lines[4].startswith("| missing | 0 |")
