@@ -67,6 +67,25 @@ def test_a_candidate_under_which_documents_leak_is_refused(target, tmp_path, mon
     assert target.model.config._attn_implementation == "sdpa"  # as it was
 
 
+def test_a_candidate_that_fails_to_run_is_refused_with_its_reason_and_the_models_own_stays_in(
+    target, monkeypatch
+):
+    """A kernel that cannot compile for the model (gpt-oss's sinks under flex_attention on torch 2.11)
+    refuses that candidate, not the run; the model's own attention is always a candidate."""
+    ids, positions = packed_batch(target.config.vocab_size)
+    features = target.features
+
+    def failing(*args, **kwargs):
+        if target.model.config._attn_implementation == "eager":
+            raise RuntimeError("cannot lower the score mod\nmore")
+        return features(*args, **kwargs)
+
+    monkeypatch.setattr(target, "features", failing)
+    choice = ta.choose_target_attention(target, ids, positions, None, ("eager",), repeats=1)
+    assert choice.name == "sdpa" and list(choice.ms) == ["sdpa"]
+    assert choice.refused == {"eager": "RuntimeError: cannot lower the score mod"}
+
+
 def test_a_damaged_cache_is_measured_again(target, tmp_path, monkeypatch):
     ids, positions = packed_batch(target.config.vocab_size)
     (tmp_path / ta.CACHE_FILE).write_text("{not json")

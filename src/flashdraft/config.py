@@ -275,10 +275,10 @@ class TrainConfig(_Strict):
     target_attention: str = Field(
         "auto",
         pattern="^(auto|sdpa|eager|flex_attention|flash_attention_2|flash_attention_3)$",
-        description="the target's transformers attention implementation; auto: on a GPU with packed "
-        "rows, sdpa or flex_attention, whichever runs the first batch's target forward faster (measured at "
-        "start-up, remembered per machine and shape); elsewhere the model's own choice (sdpa where "
-        "supported, else eager). The start-up line names it",
+        description="the target's transformers attention implementation; auto: the model's own choice "
+        "(sdpa where supported, else eager), and on a GPU with packed rows the fastest of it, sdpa and "
+        "flex_attention on the first batch's target forward (measured at start-up, remembered per machine "
+        "and shape). The start-up line names it",
     )
     attention: str = Field(
         "auto",

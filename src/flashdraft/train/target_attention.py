@@ -57,26 +57,28 @@ def choose_target_attention(
     candidates: tuple[str, ...] = CANDIDATES,
     repeats: int = 5,
 ) -> AttentionChoice:
-    """The fastest of `candidates` for the target's features forward on this packed batch, set on the
-    target's model; a candidate the model refuses, or under which documents leak, is not measured."""
+    """The fastest of the model's own attention and `candidates` for the target's features forward on
+    this packed batch, set on the target's model. A candidate the model refuses, that fails to run (a
+    kernel that cannot compile for this model: gpt-oss's sinks under flex_attention), or under which
+    documents leak is not measured, and the start-up line says why."""
     model = target.model
-    key = _cache_key(target, input_ids, position_ids, candidates)
+    original = model.config._attn_implementation
+    names = tuple(dict.fromkeys((original, *candidates)))
+    key = _cache_key(target, input_ids, position_ids, names)
     remembered = _read_cache(cache_dir, key)
     if remembered is not None:
         model.set_attn_implementation(remembered.name)
         return remembered
-    original = model.config._attn_implementation
     choice = AttentionChoice(original)
-    for name in candidates:
+    for name in names:
         try:
             model.set_attn_implementation(name)
             if target.leaks("positions"):
                 choice.refused[name] = "the documents of a row see each other"
                 continue
-        except (ValueError, ImportError, NotImplementedError) as e:
-            choice.refused[name] = str(e).splitlines()[0][:120]
-            continue
-        choice.ms[name] = _median_ms(lambda: target.features(input_ids, position_ids), repeats)
+            choice.ms[name] = _median_ms(lambda: target.features(input_ids, position_ids), repeats)
+        except Exception as e:  # noqa: BLE001 - reported on the start-up line, the others still measured
+            choice.refused[name] = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:120]}"
     if not choice.ms:
         model.set_attn_implementation(original)
         raise ValueError(
