@@ -366,9 +366,9 @@ def run_real_target(
     from flashdraft.data.humaneval import humaneval_prompts
 
     humaneval = humaneval_prompts()[: scale.humaneval]
-    sets = {"humaneval": humaneval, "held_out": held}
-    if not TARGETS[scale.target].chat:  # a base model's HumanEval also as the benchmark's completions
-        sets = {"humaneval": humaneval, STOPPED: humaneval, "held_out": held}
+    # a base model's HumanEval also as the benchmark's completions
+    stopped = {} if TARGETS[scale.target].chat else {STOPPED: humaneval}
+    sets = {"humaneval": humaneval, **stopped, "held_out": held}
     if run.todo("drafter") and _train_drafter(run, tokenizer, target_dir, sets):
         return run.summary
     if run.todo("eval") and _evaluate(run, target_dir, sets):

@@ -315,6 +315,9 @@ class StopText:
         if not strings or any(not isinstance(t, str) or not t for t in strings):
             raise ValueError(f"stop strings must be non-empty strings, got {list(strings)!r}")
         self.tokenizer, self.strings = tokenizer, tuple(strings)
+        # a token decodes to a byte or more, so a match the new tokens complete starts within this many
+        # tokens before them (two more: a decoder may strip the first token's leading space)
+        self.context = max(len(t.encode()) for t in self.strings) + 2
 
     def _found(self, tokens: list[int]) -> bool:
         text = self.tokenizer.decode(tokens, skip_special_tokens=False)
@@ -322,7 +325,9 @@ class StopText:
 
     def keep(self, before: list[int], new: list[int]) -> int | None:
         """How many of `new` to commit when, after `before` (the new tokens so far, none of which
-        completed a stop string), they complete one; None when they do not."""
+        completed a stop string), they complete one; None when they do not. Only the tail of `before`
+        a match can start in is decoded: every cycle of a timed decoding runs this."""
+        before = before[-self.context :]
         if not self._found(before + new):
             return None
         return next(k for k in range(1, len(new) + 1) if self._found(before + new[:k]))
