@@ -37,7 +37,7 @@ def test_measured_for_real_keeps_the_features_and_sets_the_choice(target, tmp_pa
 def test_the_fastest_is_kept_and_remembered(target, tmp_path, monkeypatch):
     ids, positions = packed_batch(target.config.vocab_size)
     timings = iter([3.0, 1.0])  # sdpa, then eager
-    monkeypatch.setattr(ta, "_median_ms", lambda forward, repeats: next(timings))
+    monkeypatch.setattr(ta, "_median_ms", lambda forward, repeats: (next(timings), forward()))
     choice = ta.choose_target_attention(target, ids, positions, tmp_path, ("sdpa", "eager"))
     assert (choice.name, choice.ms) == ("eager", {"sdpa": 3.0, "eager": 1.0})
     assert target.model.config._attn_implementation == "eager"
@@ -55,7 +55,7 @@ def test_the_fastest_is_kept_and_remembered(target, tmp_path, monkeypatch):
 
 def test_a_candidate_under_which_documents_leak_is_refused(target, tmp_path, monkeypatch):
     ids, positions = packed_batch(target.config.vocab_size)
-    monkeypatch.setattr(ta, "_median_ms", lambda forward, repeats: 1.0)
+    monkeypatch.setattr(ta, "_median_ms", lambda forward, repeats: (1.0, forward()))
     monkeypatch.setattr(target, "leaks", lambda packing: target.model.config._attn_implementation == "eager")
     choice = ta.choose_target_attention(target, ids, positions, None, ("eager", "sdpa"))
     assert choice.name == "sdpa" and "eager" not in choice.ms
@@ -89,7 +89,7 @@ def test_a_candidate_that_fails_to_run_is_refused_with_its_reason_and_the_models
 def test_a_damaged_cache_is_measured_again(target, tmp_path, monkeypatch):
     ids, positions = packed_batch(target.config.vocab_size)
     (tmp_path / ta.CACHE_FILE).write_text("{not json")
-    monkeypatch.setattr(ta, "_median_ms", lambda forward, repeats: 2.0)
+    monkeypatch.setattr(ta, "_median_ms", lambda forward, repeats: (2.0, forward()))
     choice = ta.choose_target_attention(target, ids, positions, tmp_path, ("sdpa",))
     assert not choice.remembered and choice.name == "sdpa"
     assert list(json.loads((tmp_path / ta.CACHE_FILE).read_text()).values())[0]["name"] == "sdpa"

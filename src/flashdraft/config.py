@@ -274,11 +274,11 @@ class TrainConfig(_Strict):
     )
     target_attention: str = Field(
         "auto",
-        pattern="^(auto|sdpa|eager|flex_attention|flash_attention_2|flash_attention_3)$",
+        pattern="^(auto|sdpa|eager|flex_attention|varlen|flash_attention_2|flash_attention_3)$",
         description="the target's transformers attention implementation; auto: the model's own choice "
-        "(sdpa where supported, else eager), and on a GPU with packed rows the fastest of it, sdpa and "
-        "flex_attention on the first batch's target forward (measured at start-up, remembered per machine "
-        "and shape). The start-up line names it",
+        "(sdpa where supported, else eager), and on a GPU with packed rows the fastest of it, sdpa, "
+        "flex_attention and varlen (torch's variable-length flash kernel) on the first batch's target "
+        "forward (measured at start-up, remembered per machine and shape). The start-up line names it",
     )
     attention: str = Field(
         "auto",

@@ -41,6 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
+from flashdraft.model import varlen_attention
 from flashdraft.model.drafter import EMBEDDINGS
 
 PACKINGS = ("positions", "masks", "one_document")
@@ -228,6 +229,9 @@ class Target:
         kwargs = {}
         if packing == "masks" and position_ids is not None:
             kwargs["attention_mask"] = self._masks(inputs["inputs_embeds"], position_ids)
+        if self.config._attn_implementation == varlen_attention.NAME:  # the documents' lengths, once
+            first = next(iter(inputs.values()))
+            kwargs |= varlen_attention.varlen_kwargs(position_ids, first.shape[:2], first.device)
         with self._tapping(stop=not final):
             try:
                 out = self.decoder(**inputs, position_ids=position_ids, use_cache=False, **kwargs)

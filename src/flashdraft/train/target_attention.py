@@ -7,9 +7,14 @@ that runs depends on the attention implementation and the shape. Under sdpa tran
 skips what the documents do not see) brought it to 74%. On SmolLM2-135M flex was slower instead: its
 small layers are bound by the host's launches (docs/results.md). So the choice is measured, not
 assumed: each candidate runs the features forward on the run's first micro-batch (warm-up first,
-then the median of a few), a candidate under which the documents see each other is refused, and the
-fastest is kept. The result is remembered per machine, versions, target config and batch shape in the
-compile cache folder (a JSON file), so a run that starts again does not measure again.
+then the median of a few), and the fastest is kept. The candidates: the model's own, sdpa,
+flex_attention and, where torch has it, varlen (torch's variable-length flash kernel,
+flashdraft.model.varlen_attention). A candidate is refused when the documents see each other under it
+(the packing probe), or when its features differ from the model's own attention's by more than bf16's
+rounding explains (`AGREE`: the largest relative difference of one token's features), a guard for
+kernels this module did not write. The result is remembered per machine, versions, target config and
+batch shape in the compile cache folder (a JSON file), so a run that starts again does not measure
+again.
 
 Measured on a GPU only, and only when the rows pack documents: a row of one document runs the plain
 causal kernel, and on a CPU flex_attention has no backward for the packing probe and no speed to win.
@@ -26,9 +31,13 @@ from pathlib import Path
 
 import torch
 
+from flashdraft.model import varlen_attention
 from flashdraft.model.target import Target
 
-CANDIDATES = ("sdpa", "flex_attention")
+CANDIDATES = ("sdpa", "flex_attention", varlen_attention.NAME)
+# a wrong mask or window moves a token's features by its whole size; two kernels' bf16 rounding,
+# through every tapped layer, by a few percent
+AGREE = 0.1
 CACHE_FILE = "target_attention.json"
 
 
@@ -36,11 +45,15 @@ CACHE_FILE = "target_attention.json"
 class AttentionChoice:
     name: str
     ms: dict[str, float] = field(default_factory=dict)  # median forward per candidate measured
+    differs: dict[str, float] = field(default_factory=dict)  # largest relative difference from the own
     refused: dict[str, str] = field(default_factory=dict)  # candidate -> why it was not measured
     remembered: bool = False  # read from the cache rather than measured in this run
 
     def line(self) -> str:
-        timed = ", ".join(f"{name} {ms:.1f} ms" for name, ms in self.ms.items())
+        timed = ", ".join(
+            f"{name} {ms:.1f} ms" + (f" ({self.differs[name]:.3f} apart)" if name in self.differs else "")
+            for name, ms in self.ms.items()
+        )
         refused = "".join(f"; {name} refused: {why}" for name, why in self.refused.items())
         how = "measured earlier on this machine" if self.remembered else "measured on the first batch"
         return (
@@ -59,24 +72,37 @@ def choose_target_attention(
 ) -> AttentionChoice:
     """The fastest of the model's own attention and `candidates` for the target's features forward on
     this packed batch, set on the target's model. A candidate the model refuses, that fails to run (a
-    kernel that cannot compile for this model: gpt-oss's sinks under flex_attention), or under which
-    documents leak is not measured, and the start-up line says why."""
+    kernel that cannot compile for this model: gpt-oss's sinks under flex_attention), under which
+    documents leak or whose features differ from the model's own attention's is not kept, and the
+    start-up line says why."""
     model = target.model
     original = model.config._attn_implementation
+    if not varlen_attention.available():
+        candidates = tuple(c for c in candidates if c != varlen_attention.NAME)
     names = tuple(dict.fromkeys((original, *candidates)))
     key = _cache_key(target, input_ids, position_ids, names)
     remembered = _read_cache(cache_dir, key)
     if remembered is not None:
         model.set_attn_implementation(remembered.name)
         return remembered
-    choice = AttentionChoice(original)
+    choice, own, own_name = AttentionChoice(original), None, original
     for name in names:
         try:
             model.set_attn_implementation(name)
             if target.leaks("positions"):
                 choice.refused[name] = "the documents of a row see each other"
                 continue
-            choice.ms[name] = _median_ms(lambda: target.features(input_ids, position_ids), repeats)
+            ms, feats = _median_ms(lambda: target.features(input_ids, position_ids), repeats)
+            if own is None:  # the model's own, or the first candidate that runs where it does not
+                own, own_name = feats, name
+            else:
+                differs = _largest_difference(feats, own)
+                if differs > AGREE:
+                    choice.refused[name] = f"its features differ from {own_name}'s by up to {differs:.3f}"
+                    continue
+                choice.differs[name] = round(differs, 4)
+            choice.ms[name] = ms
+            del feats
         except Exception as e:  # noqa: BLE001 - reported on the start-up line, the others still measured
             choice.refused[name] = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:120]}"
     if not choice.ms:
@@ -92,8 +118,9 @@ def choose_target_attention(
     return choice
 
 
-def _median_ms(forward, repeats: int, warmup: int = 2) -> float:
-    """The median of `repeats` timed forwards after `warmup` untimed ones (compiles, caches)."""
+def _median_ms(forward, repeats: int, warmup: int = 2) -> tuple[float, torch.Tensor]:
+    """The median of `repeats` timed forwards after `warmup` untimed ones (compiles, caches), and the
+    last forward's output."""
     cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
     for _ in range(warmup):
         forward()
@@ -102,11 +129,18 @@ def _median_ms(forward, repeats: int, warmup: int = 2) -> float:
         if cuda:
             torch.cuda.synchronize()
         start = time.perf_counter()
-        forward()
+        out = forward()
         if cuda:
             torch.cuda.synchronize()
         times.append(1000 * (time.perf_counter() - start))
-    return round(statistics.median(times), 2)
+    return round(statistics.median(times), 2), out
+
+
+def _largest_difference(feats: torch.Tensor, own: torch.Tensor) -> float:
+    """The largest over tokens of |feats - own| / |own|, each token's features one vector."""
+    diff = torch.linalg.vector_norm((feats - own).float(), dim=-1)
+    size = torch.linalg.vector_norm(own.float(), dim=-1).clamp_min(1e-6)
+    return float((diff / size).max())
 
 
 def _cache_key(target: Target, input_ids: torch.Tensor, position_ids: torch.Tensor, candidates) -> str:
@@ -133,7 +167,9 @@ def _read_cache(cache_dir: Path | None, key: str) -> AttentionChoice | None:
         return None  # a damaged cache file is measured again and rewritten
     if not isinstance(entry, dict) or entry.get("name") not in (entry.get("ms") or {}):
         return None
-    return AttentionChoice(entry["name"], entry["ms"], entry.get("refused", {}), remembered=True)
+    return AttentionChoice(
+        entry["name"], entry["ms"], entry.get("differs", {}), entry.get("refused", {}), remembered=True
+    )
 
 
 def _write_cache(cache_dir: Path | None, key: str, choice: AttentionChoice) -> None:
@@ -146,7 +182,9 @@ def _write_cache(cache_dir: Path | None, key: str, choice: AttentionChoice) -> N
         entries = {}
     if not isinstance(entries, dict):
         entries = {}
-    entries[key] = {"name": choice.name, "ms": choice.ms, "refused": choice.refused}
+    entries[key] = {
+        "name": choice.name, "ms": choice.ms, "differs": choice.differs, "refused": choice.refused
+    }  # fmt: skip
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text(json.dumps(entries, indent=1))
     tmp.replace(path)

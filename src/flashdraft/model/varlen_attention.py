@@ -1,0 +1,110 @@
+"""The target attention "varlen": packed rows through torch's variable-length flash kernel.
+
+A packed row holds several documents. transformers keeps them apart under sdpa with a dense [S, S]
+mask per row, which takes SDPA off its flash kernel, and under flex_attention with a block mask. A
+variable-length kernel instead takes the documents as one list of tokens cut at cumulative lengths
+(`cu_seqlens`) and computes only what each document sees. transformers reaches such kernels only
+through the flash-attn package or kernels downloaded from the hub; torch (2.11 and later) ships one,
+`torch.nn.attention.varlen.varlen_attn` (CUDA only). This module is the glue between the two:
+
+- `varlen_kwargs` turns a batch's position ids (which restart at 0 in each document, and at 0 on each
+  padding token) into the cumulative lengths, once per forward; `Target` passes them to the model as
+  keyword arguments, which transformers hands down to every attention call.
+- `varlen_attention`, registered with transformers as "varlen", runs the kernel when they are given
+  (causal, the layer's sliding window as transformers defines it: a query sees the `sliding_window`
+  keys up to itself), and transformers' own sdpa otherwise (decoding with a KV cache), with the mask
+  transformers builds for sdpa (the "varlen" mask is sdpa's).
+
+Not supported (an error, so that `train.target_attention: auto` refuses the candidate and says why):
+attention softcapping, attention sinks, dropout, non-causal attention. Whether it is faster than sdpa or
+flex_attention depends on the model and the shape: auto measures it (flashdraft.train.target_attention).
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+NAME = "varlen"  # no "flash" in it: transformers would look for a flash kernel package
+CU_SEQLENS, MAX_LENGTH = "flashdraft_cu_seqlens", "flashdraft_max_length"
+
+
+def available() -> bool:
+    """Whether torch has the kernel and a GPU to run it on."""
+    return torch.cuda.is_available() and _kernel() is not None
+
+
+def _kernel():
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    return varlen_attn
+
+
+def varlen_kwargs(position_ids: torch.Tensor | None, shape: tuple[int, int], device) -> dict:
+    """The model keyword arguments that select the kernel: the documents' cumulative lengths over the
+    flattened batch (int32) and the longest document. position_ids None: each row one document."""
+    batch, length = shape
+    if position_ids is None:
+        cu = torch.arange(0, (batch + 1) * length, length, dtype=torch.int32)
+        return {CU_SEQLENS: cu.to(device, non_blocking=True), MAX_LENGTH: length}
+    starts = position_ids.detach().to("cpu").eq(0)  # one copy to the host a forward
+    starts[:, 0] = True  # a row starts a document whatever its first position says
+    first = starts.flatten().nonzero().flatten()
+    cu = torch.cat([first, torch.tensor([batch * length])]).to(torch.int32)
+    longest = int(cu.diff().max())
+    return {CU_SEQLENS: cu.to(device, non_blocking=True), MAX_LENGTH: longest}
+
+
+def varlen_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    sliding_window: int | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """transformers' attention-function interface: query (B, H, S, D), key/value (B, H_kv, S, D) ->
+    ((B, S, H, D), None)."""
+    cu = kwargs.pop(CU_SEQLENS, None)
+    longest = kwargs.pop(MAX_LENGTH, None)
+    if cu is None:  # no packed forward: decoding with a cache, or a model that was not given them
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+            sliding_window=sliding_window, **kwargs,
+        )  # fmt: skip
+    for name in ("softcap", "s_aux", "sinks"):
+        if kwargs.get(name) is not None:
+            raise NotImplementedError(f"varlen attention has no {name}")
+    if dropout or kwargs.get("is_causal") is False:
+        raise NotImplementedError("varlen attention is causal and without dropout")
+    kernel = _kernel()
+    if kernel is None:
+        raise NotImplementedError(f"torch {torch.__version__} has no torch.nn.attention.varlen")
+    batch, heads, length, dim = query.shape
+    kv_heads = key.shape[1]
+    q = query.transpose(1, 2).reshape(batch * length, heads, dim)
+    k = key.transpose(1, 2).reshape(batch * length, kv_heads, dim)
+    v = value.transpose(1, 2).reshape(batch * length, kv_heads, value.shape[-1])
+    options = {"scale": scaling}
+    accepts = inspect.signature(kernel).parameters
+    if kv_heads != heads:
+        if "enable_gqa" in accepts:
+            options["enable_gqa"] = True
+        else:  # query head h reads key/value head h // groups, as transformers' repeat_kv lays them out
+            k, v = (t.repeat_interleave(heads // kv_heads, dim=1) for t in (k, v))
+    options["window_size"] = (-1 if sliding_window is None else sliding_window - 1, 0)
+    out = kernel(q, k, v, cu, cu, longest, longest, **options)
+    return out.reshape(batch, length, heads, out.shape[-1]), None
+
+
+AttentionInterface.register(NAME, varlen_attention)
+AttentionMaskInterface.register(NAME, sdpa_mask)
