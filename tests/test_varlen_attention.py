@@ -68,11 +68,10 @@ def target_of(family: str) -> Target:
 
 def test_cumulative_lengths_cut_at_every_document_row_and_padding_token():
     positions = torch.tensor([[0, 1, 2, 0, 1, 0, 0], [3, 4, 0, 1, 2, 3, 4]])  # the second row mid-document
-    got = va.varlen_kwargs(positions, (2, 7), "cpu")
-    assert got[va.CU_SEQLENS].tolist() == [0, 3, 5, 6, 7, 9, 14]
-    assert got[va.CU_SEQLENS].dtype == torch.int32 and got[va.MAX_LENGTH] == 5
-    plain = va.varlen_kwargs(None, (3, 4), "cpu")
-    assert plain[va.CU_SEQLENS].tolist() == [0, 4, 8, 12] and plain[va.MAX_LENGTH] == 4
+    cu, longest = va.cumulative_lengths(positions, (2, 7), "cpu")
+    assert cu.tolist() == [0, 3, 5, 6, 7, 9, 14] and cu.dtype == torch.int32 and longest == 5
+    cu, longest = va.cumulative_lengths(None, (3, 4), "cpu")
+    assert cu.tolist() == [0, 4, 8, 12] and longest == 4
 
 
 PACKED_BY_POSITIONS = [f for f, (_, _, packing) in FAMILIES.items() if packing == "positions"]
@@ -123,11 +122,12 @@ def test_decoding_with_a_cache_stays_on_sdpa(monkeypatch):
 
 def test_what_the_kernel_cannot_do_is_an_error():
     q = torch.zeros(1, 2, 4, 8)
-    kwargs = va.varlen_kwargs(None, (1, 4), "cpu")
-    with pytest.raises(NotImplementedError, match="softcap"):
-        va.varlen_attention(None, q, q, q, None, softcap=30.0, **kwargs)
-    with pytest.raises(NotImplementedError, match="causal"):
-        va.varlen_attention(None, q, q, q, None, is_causal=False, **kwargs)
+    with va.documents(None, (1, 4), "cpu"):
+        with pytest.raises(NotImplementedError, match="softcap"):
+            va.varlen_attention(None, q, q, q, None, softcap=30.0)
+        with pytest.raises(NotImplementedError, match="causal"):
+            va.varlen_attention(None, q, q, q, None, is_causal=False)
+    assert va._documents is None  # held for the forward only
 
 
 def test_auto_refuses_a_candidate_whose_features_differ_from_the_models_own(monkeypatch):
@@ -156,3 +156,26 @@ def test_the_reference_kernel_has_torchs_signature():
     named = {p.name for p in ours if p.kind is p.KEYWORD_ONLY}  # the rest goes by position
     assert named == {"scale", "window_size", "enable_gqa"}
     assert named <= set(inspect.signature(kernel).parameters)
+
+
+def test_compiled_target_layers_take_batches_of_other_documents_without_compiling_again(monkeypatch):
+    """Training compiles each target layer (dynamic=False): a batch cut into other documents than the
+    first reaches the kernel with its own lengths and compiles nothing again."""
+    from flashdraft.model.target import decoder_layers
+
+    calls = []
+    kernel = reference_kernel()
+    monkeypatch.setattr(va, "_kernel", lambda: lambda *a, **k: calls.append(a[3].tolist()) or kernel(*a, **k))
+    target = target_of("qwen3")
+    target.model.set_attn_implementation(va.NAME)
+    for layer in decoder_layers(target.model)[2]:
+        layer.forward = torch.compile(layer.forward, dynamic=False, backend="eager")
+    first, second = packed(lengths=(13, 9, 20)), packed(lengths=(30, 5), pad=10)
+    target.features(*first)
+    calls.clear()
+    with torch.compiler.set_stance("fail_on_recompile"):
+        got = target.features(*second)
+    cut = [0, 30, *range(35, 45), 45, 75, *range(80, 90), 90]  # padding: a document of one token each
+    assert calls and all(c == cut for c in calls)
+    target.model.set_attn_implementation("sdpa")
+    torch.testing.assert_close(got, target.features(*second), atol=2e-5, rtol=2e-5)

@@ -229,10 +229,11 @@ class Target:
         kwargs = {}
         if packing == "masks" and position_ids is not None:
             kwargs["attention_mask"] = self._masks(inputs["inputs_embeds"], position_ids)
+        documents = contextlib.nullcontext()
         if self.config._attn_implementation == varlen_attention.NAME:  # the documents' lengths, once
             first = next(iter(inputs.values()))
-            kwargs |= varlen_attention.varlen_kwargs(position_ids, first.shape[:2], first.device)
-        with self._tapping(stop=not final):
+            documents = varlen_attention.documents(position_ids, first.shape[:2], first.device)
+        with self._tapping(stop=not final), documents:
             try:
                 out = self.decoder(**inputs, position_ids=position_ids, use_cache=False, **kwargs)
             except _Stop:

@@ -3,17 +3,22 @@
 A packed row holds several documents. transformers keeps them apart under sdpa with a dense [S, S]
 mask per row, which takes SDPA off its flash kernel, and under flex_attention with a block mask. A
 variable-length kernel instead takes the documents as one list of tokens cut at cumulative lengths
-(`cu_seqlens`) and computes only what each document sees. transformers reaches such kernels only
-through the flash-attn package or kernels downloaded from the hub; torch (2.11 and later) ships one,
+and computes only what each document sees. transformers reaches such kernels only through the
+flash-attn package or kernels downloaded from the hub; torch (2.11 and later) ships one,
 `torch.nn.attention.varlen.varlen_attn` (CUDA only). This module is the glue between the two:
 
-- `varlen_kwargs` turns a batch's position ids (which restart at 0 in each document, and at 0 on each
-  padding token) into the cumulative lengths, once per forward; `Target` passes them to the model as
-  keyword arguments, which transformers hands down to every attention call.
-- `varlen_attention`, registered with transformers as "varlen", runs the kernel when they are given
-  (causal, the layer's sliding window as transformers defines it: a query sees the `sliding_window`
-  keys up to itself), and transformers' own sdpa otherwise (decoding with a KV cache), with the mask
+- `documents` turns a batch's position ids (which restart at 0 in each document, and at 0 on each
+  padding token) into the cumulative lengths, once per forward, and holds them while `Target` runs
+  the forward.
+- `varlen_attention`, registered with transformers as "varlen", runs the kernel on them (causal, the
+  layer's sliding window as transformers defines it: a query sees the `sliding_window` keys up to
+  itself), and transformers' own sdpa outside such a forward (decoding with a KV cache), with the mask
   transformers builds for sdpa (the "varlen" mask is sdpa's).
+
+The lengths reach the attention beside the model's arguments rather than through them, and the
+attention runs outside torch.compile (a graph break in each compiled target layer): the number of
+documents and the longest one change from batch to batch, and as inputs of a compiled layer each change
+would compile it again.
 
 Not supported (an error, so that `train.target_attention: auto` refuses the candidate and says why):
 attention softcapping, attention sinks, dropout, non-causal attention. Whether it is faster than sdpa or
@@ -22,6 +27,8 @@ flex_attention depends on the model and the shape: auto measures it (flashdraft.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import inspect
 
 import torch
@@ -30,7 +37,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 NAME = "varlen"  # no "flash" in it: transformers would look for a flash kernel package
-CU_SEQLENS, MAX_LENGTH = "flashdraft_cu_seqlens", "flashdraft_max_length"
+_documents: tuple[torch.Tensor, int] | None = None  # (cumulative lengths, longest) of the running forward
 
 
 def available() -> bool:
@@ -46,21 +53,39 @@ def _kernel():
     return varlen_attn
 
 
-def varlen_kwargs(position_ids: torch.Tensor | None, shape: tuple[int, int], device) -> dict:
-    """The model keyword arguments that select the kernel: the documents' cumulative lengths over the
-    flattened batch (int32) and the longest document. position_ids None: each row one document."""
+@functools.cache
+def _takes(kernel, name: str) -> bool:
+    return name in inspect.signature(kernel).parameters
+
+
+def cumulative_lengths(
+    position_ids: torch.Tensor | None, shape: tuple[int, int], device
+) -> tuple[torch.Tensor, int]:
+    """The documents' cumulative lengths over the flattened batch (int32, on `device`) and the longest
+    document. position_ids None: each row one document."""
     batch, length = shape
     if position_ids is None:
         cu = torch.arange(0, (batch + 1) * length, length, dtype=torch.int32)
-        return {CU_SEQLENS: cu.to(device, non_blocking=True), MAX_LENGTH: length}
+        return cu.to(device, non_blocking=True), length
     starts = position_ids.detach().to("cpu").eq(0)  # one copy to the host a forward
     starts[:, 0] = True  # a row starts a document whatever its first position says
     first = starts.flatten().nonzero().flatten()
     cu = torch.cat([first, torch.tensor([batch * length])]).to(torch.int32)
-    longest = int(cu.diff().max())
-    return {CU_SEQLENS: cu.to(device, non_blocking=True), MAX_LENGTH: longest}
+    return cu.to(device, non_blocking=True), int(cu.diff().max())
 
 
+@contextlib.contextmanager
+def documents(position_ids: torch.Tensor | None, shape: tuple[int, int], device):
+    """The documents of one packed forward, held for its attention calls while it runs."""
+    global _documents
+    _documents = cumulative_lengths(position_ids, shape, device)
+    try:
+        yield
+    finally:
+        _documents = None
+
+
+@torch.compiler.disable
 def varlen_attention(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -74,9 +99,7 @@ def varlen_attention(
 ) -> tuple[torch.Tensor, None]:
     """transformers' attention-function interface: query (B, H, S, D), key/value (B, H_kv, S, D) ->
     ((B, S, H, D), None)."""
-    cu = kwargs.pop(CU_SEQLENS, None)
-    longest = kwargs.pop(MAX_LENGTH, None)
-    if cu is None:  # no packed forward: decoding with a cache, or a model that was not given them
+    if _documents is None:  # not a packed forward: decoding with a KV cache
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
             sliding_window=sliding_window, **kwargs,
@@ -89,15 +112,15 @@ def varlen_attention(
     kernel = _kernel()
     if kernel is None:
         raise NotImplementedError(f"torch {torch.__version__} has no torch.nn.attention.varlen")
+    cu, longest = _documents
     batch, heads, length, dim = query.shape
     kv_heads = key.shape[1]
     q = query.transpose(1, 2).reshape(batch * length, heads, dim)
     k = key.transpose(1, 2).reshape(batch * length, kv_heads, dim)
     v = value.transpose(1, 2).reshape(batch * length, kv_heads, value.shape[-1])
     options = {"scale": scaling}
-    accepts = inspect.signature(kernel).parameters
     if kv_heads != heads:
-        if "enable_gqa" in accepts:
+        if _takes(kernel, "enable_gqa"):
             options["enable_gqa"] = True
         else:  # query head h reads key/value head h // groups, as transformers' repeat_kv lays them out
             k, v = (t.repeat_interleave(heads // kv_heads, dim=1) for t in (k, v))
