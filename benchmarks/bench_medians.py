@@ -10,6 +10,12 @@ run used.
 A configuration is NAME:ARG,ARG,... (the bench's own options, comma-separated). Each run's JSON and log
 go to OUT/NAME.K.json and .log; a rerun with the same OUT skips the runs already there, so a series cut
 short by --budget-s goes on where it stopped.
+
+--peer NAME:ARG,ARG,... (repeatable) also runs the peer, vLLM's speculators drafter step alone
+(benchmarks/peer_step.py with those options; speculators must be importable), once in each round after
+the configurations, into OUT/peer-NAME.K.json; its row in the table has no target forward. The options
+after -- that peer_step.py shares with the bench (--steps, --warmup, the shape's) reach it too, before
+its own. For example `--peer dflash:--architecture,dflash -- --steps 20`.
 """
 
 import argparse
@@ -29,11 +35,29 @@ COLUMNS = (
 )
 
 
-def run_once(name: str, args: list[str], k: int, out: Path, common: list[str]) -> None:
+PEER = Path(__file__).with_name("peer_step.py")
+# the options after -- that peer_step.py also takes (each with a value)
+PEER_SHARED = ("--shape", "--seq-len", "--anchors", "--block-size", "--rows-per-batch", "--documents",
+               "--drafter-layers", "--steps", "--warmup", "--device", "--architecture")  # fmt: skip
+
+
+def shared_with_peer(common: list[str]) -> list[str]:
+    """Those of the common options (and their values) that peer_step.py takes as well."""
+    out, items = [], iter(common)
+    for a in items:
+        if a.split("=")[0] in PEER_SHARED:
+            out += [a] if "=" in a else [a, next(items, "")]
+    return out
+
+
+def run_once(name: str, args: list[str], k: int, out: Path, common: list[str], peer: bool = False) -> None:
     path = out / f"{name}.{k}.json"
     if path.is_file():
         return
-    cmd = [sys.executable, "-m", "flashdraft.cli.main", "bench", *args, *common, "--json", str(path)]
+    if peer:
+        cmd = [sys.executable, str(PEER), *shared_with_peer(common), *args, "--json", str(path)]
+    else:
+        cmd = [sys.executable, "-m", "flashdraft.cli.main", "bench", *args, *common, "--json", str(path)]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     path.with_suffix(".log").write_text(proc.stdout + proc.stderr)
     if proc.returncode != 0:
@@ -53,33 +77,48 @@ def table(out: Path, names: list[str]) -> list[str]:
         for key, _, fmt in COLUMNS:
             values = [r[key] for r in runs if r.get(key) is not None]
             cells.append(fmt.format(statistics.median(values)) if values else "")
-        attention = sorted({r.get("settings", {}).get("target_attention", "?") for r in runs})
+        attention = sorted({_attention(r) for r in runs})
         lines.append(f"| {name} | {len(runs)} | " + " | ".join(cells) + f" | {', '.join(attention)} |")
     return lines
+
+
+def _attention(run: dict) -> str:
+    if "peer" in run:  # peer_step.py's: no target
+        return "none (peer drafter alone)"
+    return run.get("settings", {}).get("target_attention", "?")
+
+
+def named_args(items: list[str], option: str, error) -> dict[str, list[str]]:
+    """NAME:ARG,ARG,... items as {NAME: [ARG, ...]}."""
+    named = {}
+    for item in items:
+        name, _, rest = item.partition(":")
+        if not name or "." in name or "/" in name:
+            error(f"{option} {item!r}: NAME:ARG,ARG,... with a NAME free of '.' and '/'")
+        named[name] = [a for a in rest.split(",") if a]
+    return named
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--config", action="append", required=True, help="NAME:ARG,ARG,...")
+    ap.add_argument("--peer", action="append", default=[], help="NAME:ARG,ARG,... for peer_step.py")
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--budget-s", type=float, help="start no run after this many seconds")
     args, common = ap.parse_known_args()
     common = [c for c in common if c != "--"]
-    configs = {}
-    for item in args.config:
-        name, _, rest = item.partition(":")
-        if not name or "." in name or "/" in name:
-            ap.error(f"--config {item!r}: NAME:ARG,ARG,... with a NAME free of '.' and '/'")
-        configs[name] = [a for a in rest.split(",") if a]
+    configs = named_args(args.config, "--config", ap.error)
+    peers = {f"peer-{name}": a for name, a in named_args(args.peer, "--peer", ap.error).items()}
+    runs = [(name, a, False) for name, a in configs.items()] + [(name, a, True) for name, a in peers.items()]
     args.out.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
     for k in range(1, args.runs + 1):
-        for name, bench_args in configs.items():
+        for name, run_args, peer in runs:
             if args.budget_s is not None and time.monotonic() - started > args.budget_s:
                 break
-            run_once(name, bench_args, k, args.out, common)
-    print("\n".join(table(args.out, list(configs))))
+            run_once(name, run_args, k, args.out, common, peer)
+    print("\n".join(table(args.out, [name for name, _, _ in runs])))
 
 
 if __name__ == "__main__":

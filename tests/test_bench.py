@@ -4,6 +4,7 @@ import gzip
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
@@ -210,3 +211,42 @@ def test_bench_medians_tabulates_the_median_of_each_configurations_runs(tmp_path
     lines = table(tmp_path, ["packed", "one", "missing"])
     assert lines[2] == "| packed | 3 | 410.0 | 14,985 | 70.0% |  | 44.8 | flex_attention |"
     assert lines[3].startswith("| one | 1 | 300.0 | 20,480 |") and lines[4].startswith("| missing | 0 |")
+
+
+def test_bench_medians_runs_the_peer_each_round_and_tabulates_it_without_a_target(
+    tmp_path, monkeypatch, capsys
+):
+    """--peer NAME:ARGS runs benchmarks/peer_step.py once a round after the configurations, with the
+    common options it shares (here --steps), into OUT/peer-NAME.K.json; the table gives it a row whose
+    target forward column is empty. A fake runner stands in for both commands (no GPU, no speculators)."""
+    from benchmarks import bench_medians
+
+    calls = []
+
+    def fake_run(cmd, capture_output, text):
+        calls.append(cmd)
+        peer = cmd[1].endswith("peer_step.py")
+        step = 200.0 if peer else 400.0
+        r = {"step_ms": step, "ctx_tok_s": 6144 / step * 1000, "mfu": 0.45 if peer else 0.7,
+             "target_forward_mfu": None if peer else 0.6, "peak_mem_gib": 80.0}  # fmt: skip
+        r |= {"peer": "speculators 0.9.0 dflash"} if peer else {"settings": {"target_attention": "sdpa"}}
+        Path(cmd[cmd.index("--json") + 1]).write_text(json.dumps(r))
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+
+    monkeypatch.setattr(bench_medians.subprocess, "run", fake_run)
+    argv = ["bench_medians.py", "--out", str(tmp_path), "--runs", "2", "--config", "ours:--shape,qwen3-8b",
+            "--peer", "spec:--architecture,dflash", "--", "--steps", "5",
+            "--target-attention", "sdpa"]  # fmt: skip
+    monkeypatch.setattr(sys, "argv", argv)
+    bench_medians.main()
+    peers = [c for c in calls if c[1].endswith("peer_step.py")]
+    assert [Path(c[-1]).name for c in calls] == [
+        "ours.1.json",
+        "peer-spec.1.json",
+        "ours.2.json",
+        "peer-spec.2.json",
+    ]
+    assert peers[0][2:-2] == ["--steps", "5", "--architecture", "dflash"]  # not the bench-only option
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[2] == "| ours | 2 | 400.0 | 15,360 | 70.0% | 60.0% | 80.0 | sdpa |"
+    assert lines[3] == "| peer-spec | 2 | 200.0 | 30,720 | 45.0% |  | 80.0 | none (peer drafter alone) |"
