@@ -128,6 +128,45 @@ def test_the_selector_term_is_a_position_by_position_computation_of_it(gold):
         assert weight_sum < weights.sum()
 
 
+class _Ops(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the top-k and argmax kernels that run under it."""
+
+    def __init__(self):
+        super().__init__()
+        self.counts = {"topk": 0, "argmax": 0}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if name in self.counts:
+            self.counts[name] += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("stop_gradient", [True, False])
+def test_the_backwards_recompute_computes_what_has_a_gradient_only(stop_gradient):
+    """Each chunk's recompute for the backward takes no argmax, nor the top-k when the selector's term
+    stops at its own parameters; the loss and every gradient are those of a loss kept whole."""
+    hidden, head, labels, weights = _blocks()
+    selector = _selector(head.shape[0], hidden.shape[-1], seed=0)
+    objective = SelectorObjective(0.3, gold="inject", stop_gradient=stop_gradient)
+    runs = {}
+    for recompute in (True, False):
+        h = hidden.clone().requires_grad_()
+        out = block_loss(
+            h, head, labels, weights, chunk_rows=5, recompute=recompute, logit_scale_and_cap=(SCALE, CAP),
+            selector=selector, selector_objective=objective, selector_alpha=0.3,
+        )  # fmt: skip
+        with _Ops() as backward:
+            grads = torch.autograd.grad(out.weighted_ce, [h, *selector.parameters()])
+        runs[recompute] = out, grads, backward.counts
+    (kept, kept_grads, _), (recomputed, grads, ops) = runs[False], runs[True]
+    torch.testing.assert_close(recomputed.weighted_ce, kept.weighted_ce)
+    torch.testing.assert_close(recomputed.selector, kept.selector)
+    torch.testing.assert_close(grads, kept_grads)
+    chunks = -(-hidden.shape[0] * 3 * 4 // 5)  # 2 x 3 blocks of 4 draft positions, 5 rows a chunk
+    assert ops == {"topk": 0 if stop_gradient else chunks, "argmax": 0}
+
+
 SETTINGS = DFlash2Settings(
     conv_kernel_size=2, conv_group_size=8, selector_rank=6, selector_top_k=4, output_multiplier=1.5,
     final_logit_softcapping=4.0,

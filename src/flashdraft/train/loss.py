@@ -16,10 +16,16 @@ Qwen3-8B step on the H200 and the fp32 logits and log-softmax kept for the backw
 A DFlash2 drafter adds its candidate selector's term (`selector_loss`): each chunk also returns its
 logits' top-k, so the term is computed afterwards on [positions, k] tensors and no [positions, vocab]
 tensor outlives its chunk.
+
+The backward's recompute of a chunk computes only what carries a gradient: each position's argmax and,
+when the selector's term stops at its own parameters (the default), the top-k have none, and are kept
+from the forward. On Qwen3-8B's 151,936-wide vocabulary the top-k of the logits is the selector's
+largest cost in the loss (docs/results.md, DFlash2).
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Literal, NamedTuple
 
@@ -102,11 +108,14 @@ def _chunk_ce(
     scale: float = 1.0,
     softcap: float | None = None,
     top_k: int = 0,
+    top_grad: bool = False,
 ):
     """Per position: (1 - distill) x CE to the label + distill x KL(target || drafter), and the argmax.
     teacher: the target's final hidden state before each label (its next-token distribution there).
     scale, softcap: the drafter's logits are scale_and_cap(h @ w_head^T) (DFlash2). top_k > 0: also the
-    top-k logits and their tokens [rows, k] and the label's logit [rows] (the selector's unary scores)."""
+    top-k logits and their tokens [rows, k] and the label's logit [rows] (the selector's unary scores),
+    with a gradient when `top_grad`. In a checkpoint's recompute (`_recomputing`) only the loss, and the
+    top-k when it has a gradient: the rest has none and comes from the forward."""
     logits = scale_and_cap((h @ w_head.t()).float(), scale, softcap)
     loss = F.cross_entropy(logits, labels, reduction="none")
     if teacher is not None and distill > 0:
@@ -114,13 +123,37 @@ def _chunk_ce(
             target_logp = F.log_softmax((teacher @ w_head.t()).float(), -1)
         kl = (target_logp.exp() * (target_logp - F.log_softmax(logits, -1))).sum(-1)
         loss = (1 - distill) * loss + distill * kl
+    if _recomputing and not (top_k and top_grad):
+        return (loss,)
+    pred = None
+    if not _recomputing:
+        with torch.no_grad():
+            pred = logits.argmax(-1)
     if top_k:
-        top = logits.topk(top_k, dim=-1)
-        return loss, logits.argmax(-1), top.values, top.indices, logits.gather(-1, labels[:, None])[:, 0]
-    return loss, logits.argmax(-1)
+        with torch.set_grad_enabled(top_grad and torch.is_grad_enabled()):
+            top = logits.topk(top_k, dim=-1)
+            label_logit = logits.gather(-1, labels[:, None])[:, 0]
+        return loss, pred, top.values, top.indices, label_logit
+    return loss, pred
 
 
 _compiled_chunk_ce = torch.compile(_chunk_ce, dynamic=False)
+_recomputing = False  # True while a checkpoint recomputes a chunk for the backward
+
+
+@contextlib.contextmanager
+def _recompute():
+    global _recomputing
+    _recomputing = True
+    try:
+        yield
+    finally:
+        _recomputing = False
+
+
+def _recompute_contexts():
+    """torch.utils.checkpoint's context_fn: the forward as it is, the recompute flagged."""
+    return contextlib.nullcontext(), _recompute()
 
 
 def dpace_weights(ce: torch.Tensor, weights: torch.Tensor, alpha: float = 0.5) -> torch.Tensor:
@@ -228,13 +261,15 @@ def block_loss(
     losses, tops = [], []
     chunk_ce = _compiled_chunk_ce if compiled else _chunk_ce
     top_k = selector.top_k if selector is not None else 0
+    objective = selector_objective or SelectorObjective(selector_alpha)
+    top_grad = bool(top_k) and not objective.stop_gradient
     for start in range(0, h.shape[0], chunk_rows):
         sl = slice(start, start + chunk_rows)
         hc, yc, wc = h[sl], y[sl], w[sl]
         tc = teacher[sl] if teacher is not None else None
-        args = (hc, lm_head_weight, yc, tc, distill, *logit_scale_and_cap, top_k)
+        args = (hc, lm_head_weight, yc, tc, distill, *logit_scale_and_cap, top_k, top_grad)
         if recompute and torch.is_grad_enabled() and hc.requires_grad:
-            ce, pred, *top = checkpoint(chunk_ce, *args, use_reentrant=False)
+            ce, pred, *top = checkpoint(chunk_ce, *args, use_reentrant=False, context_fn=_recompute_contexts)
         else:
             ce, pred, *top = chunk_ce(*args)
         tops.append(top)
@@ -252,7 +287,6 @@ def block_loss(
     out = BlockLoss(total, correct, counted, per_block.sum(), (per_block > 0).sum().float(), per_block)
     if selector is None:
         return out
-    objective = selector_objective or SelectorObjective(selector_alpha)
     unary, candidates, label_logit = (torch.cat(parts) for parts in zip(*tops, strict=True))
     previous = labels[:, :, :-1].reshape(-1)  # slot 1's is the anchor token (labels' slot 0)
     rows = selector_loss(
