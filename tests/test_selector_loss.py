@@ -129,23 +129,26 @@ def test_the_selector_term_is_a_position_by_position_computation_of_it(gold):
 
 
 class _Ops(torch.utils._python_dispatch.TorchDispatchMode):
-    """Counts the top-k and argmax kernels that run under it."""
+    """Counts the top-k and argmax kernels that run under it, and the scatters that put a gradient of
+    the top-k or of a gathered logit back into a [positions, vocab] tensor."""
 
     def __init__(self):
         super().__init__()
-        self.counts = {"topk": 0, "argmax": 0}
+        self.counts = {"topk": 0, "argmax": 0, "scatter": 0}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.overloadpacket.__name__
+        name = "scatter" if "scatter" in name else name
         if name in self.counts:
             self.counts[name] += 1
         return func(*args, **(kwargs or {}))
 
 
 @pytest.mark.parametrize("stop_gradient", [True, False])
-def test_the_backwards_recompute_computes_what_has_a_gradient_only(stop_gradient):
-    """Each chunk's recompute for the backward takes no argmax, nor the top-k when the selector's term
-    stops at its own parameters; the loss and every gradient are those of a loss kept whole."""
+def test_the_backward_computes_what_has_a_gradient_only(stop_gradient):
+    """When the selector's term stops at its own parameters, the top-k and the label's logit carry no
+    gradient: the backward puts none back into [positions, vocab] tensors, and a chunk's recompute takes
+    no top-k; it never takes the argmax. The loss and every gradient are those of a loss kept whole."""
     hidden, head, labels, weights = _blocks()
     selector = _selector(head.shape[0], hidden.shape[-1], seed=0)
     objective = SelectorObjective(0.3, gold="inject", stop_gradient=stop_gradient)
@@ -159,12 +162,13 @@ def test_the_backwards_recompute_computes_what_has_a_gradient_only(stop_gradient
         with _Ops() as backward:
             grads = torch.autograd.grad(out.weighted_ce, [h, *selector.parameters()])
         runs[recompute] = out, grads, backward.counts
-    (kept, kept_grads, _), (recomputed, grads, ops) = runs[False], runs[True]
+    (kept, kept_grads, kept_ops), (recomputed, grads, ops) = runs[False], runs[True]
     torch.testing.assert_close(recomputed.weighted_ce, kept.weighted_ce)
     torch.testing.assert_close(recomputed.selector, kept.selector)
     torch.testing.assert_close(grads, kept_grads)
     chunks = -(-hidden.shape[0] * 3 * 4 // 5)  # 2 x 3 blocks of 4 draft positions, 5 rows a chunk
-    assert ops == {"topk": 0 if stop_gradient else chunks, "argmax": 0}
+    assert ops["topk"] == (0 if stop_gradient else chunks) and ops["argmax"] == kept_ops["argmax"] == 0
+    assert (kept_ops["scatter"] == 0) == (ops["scatter"] == 0) == stop_gradient
 
 
 SETTINGS = DFlash2Settings(

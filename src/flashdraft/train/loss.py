@@ -17,10 +17,11 @@ A DFlash2 drafter adds its candidate selector's term (`selector_loss`): each chu
 logits' top-k, so the term is computed afterwards on [positions, k] tensors and no [positions, vocab]
 tensor outlives its chunk.
 
-The backward's recompute of a chunk computes only what carries a gradient: each position's argmax and,
-when the selector's term stops at its own parameters (the default), the top-k have none, and are kept
-from the forward. On Qwen3-8B's 151,936-wide vocabulary the top-k of the logits is the selector's
-largest cost in the loss (docs/results.md, DFlash2).
+When the selector's term stops at its own parameters (the default), the top-k and the label's logit
+are taken without gradient: with one, the backward put their (zero) gradients back into two
+[positions, vocab] float32 tensors per chunk (a scatter each, then a sum), 5 GB each at Qwen3-8B's
+151,936-wide vocabulary and 8,192 positions a chunk. A chunk recomputed for the backward
+(`recompute_logits`) computes only what carries a gradient: no argmax, and no top-k without one.
 """
 
 from __future__ import annotations
