@@ -218,3 +218,12 @@ def test_eval_reference_sets_the_reference_package_beside_our_tau(tiny_target_di
     assert ref["tau_per_sample"] == pytest.approx(report["dflash"]["tau_per_sample"])
     assert ref["samples_with_our_tau"] == 2
     assert "equal on 2 of 2 prompts" in result.output
+
+
+def test_acceptance_lengths_agree_to_the_digits_a_report_keeps():
+    """A report keeps seven significant digits: 10.052631... is stored as 10.05263 and still agrees; a
+    cycle more or less does not."""
+    from flashdraft.eval.reference import agreeing
+
+    theirs = [10.052631578947368, 2.581081081081081, 7.64, 4.5]
+    assert agreeing(theirs, [10.05263, 2.581081, 7.64, 4.5 * 19 / 20]) == 3
