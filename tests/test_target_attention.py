@@ -127,3 +127,14 @@ def test_a_run_measures_on_its_first_packed_batch_and_every_target_rank_takes_th
     build.measure_target_attention(cfg, target, [PackedBatch(ids, ids, one, one * 0)], topo, ("cpu",))
     build.measure_target_attention(cfg, target, packed, topo)  # on a CPU by default: not measured
     assert len(chosen) == 2
+
+
+def test_a_few_tokens_far_off_are_rounding_and_many_are_a_wrong_kernel():
+    """bf16 rounding moves a few tokens' features far (a real model: up to 0.25 of their size between
+    sdpa and eager attention); a wrong mask or window moves many."""
+    g = torch.Generator().manual_seed(0)
+    own = torch.randn(2, 50, 32, generator=g)
+    few, many = own.clone(), own.clone()
+    few[:, :4] *= 1.5  # 8% of the tokens half their size off
+    many[:, :15] *= 1.5  # 30%
+    assert ta._difference(few, own) < ta.AGREE < ta._difference(many, own)

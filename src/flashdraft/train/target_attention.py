@@ -11,10 +11,11 @@ then the median of a few), and the fastest is kept. The candidates: the model's 
 flex_attention and, where torch has it, varlen (torch's variable-length flash kernel,
 flashdraft.model.varlen_attention). A candidate is refused when the documents see each other under it
 (the packing probe), or when its features differ from the model's own attention's by more than bf16's
-rounding explains (`AGREE`: the largest relative difference of one token's features), a guard for
-kernels this module did not write. The result is remembered per machine, versions, target config and
-batch shape in the compile cache folder (a JSON file), so a run that starts again does not measure
-again.
+rounding explains, a guard for kernels this module did not write (`AGREE`: the 90th percentile over
+tokens of the relative difference of a token's features; on Gemma 3 270M in bf16, sdpa against eager
+attention differ by 0.038 there, a leak between documents by 0.61, a window of 64 for 512 by 0.27,
+measured on a CPU). The result is remembered per machine, versions, target config and batch shape in
+the compile cache folder (a JSON file), so a run that starts again does not measure again.
 
 Measured on a GPU only, and only when the rows pack documents: a row of one document runs the plain
 causal kernel, and on a CPU flex_attention has no backward for the packing probe and no speed to win.
@@ -35,9 +36,7 @@ from flashdraft.model import varlen_attention
 from flashdraft.model.target import Target
 
 CANDIDATES = ("sdpa", "flex_attention", varlen_attention.NAME)
-# a wrong mask or window moves a token's features by its whole size; two kernels' bf16 rounding,
-# through every tapped layer, by a few percent
-AGREE = 0.1
+AGREE = 0.1  # the 90th percentile of the per-token relative differences a candidate may reach
 CACHE_FILE = "target_attention.json"
 
 
@@ -45,7 +44,7 @@ CACHE_FILE = "target_attention.json"
 class AttentionChoice:
     name: str
     ms: dict[str, float] = field(default_factory=dict)  # median forward per candidate measured
-    differs: dict[str, float] = field(default_factory=dict)  # largest relative difference from the own
+    differs: dict[str, float] = field(default_factory=dict)  # `_difference` from the model's own
     refused: dict[str, str] = field(default_factory=dict)  # candidate -> why it was not measured
     remembered: bool = False  # read from the cache rather than measured in this run
 
@@ -96,9 +95,9 @@ def choose_target_attention(
             if own is None:  # the model's own, or the first candidate that runs where it does not
                 own, own_name = feats, name
             else:
-                differs = _largest_difference(feats, own)
+                differs = _difference(feats, own)
                 if differs > AGREE:
-                    choice.refused[name] = f"its features differ from {own_name}'s by up to {differs:.3f}"
+                    choice.refused[name] = f"its features differ from {own_name}'s by {differs:.3f}"
                     continue
                 choice.differs[name] = round(differs, 4)
             choice.ms[name] = ms
@@ -136,11 +135,13 @@ def _median_ms(forward, repeats: int, warmup: int = 2) -> tuple[float, torch.Ten
     return round(statistics.median(times), 2), out
 
 
-def _largest_difference(feats: torch.Tensor, own: torch.Tensor) -> float:
-    """The largest over tokens of |feats - own| / |own|, each token's features one vector."""
+def _difference(feats: torch.Tensor, own: torch.Tensor) -> float:
+    """The 90th percentile over tokens of |feats - own| / |own|, each token's features one vector: bf16
+    rounding moves a few tokens far (on Gemma 3 270M up to 0.25 between sdpa and eager attention), a
+    wrong mask or window moves many."""
     diff = torch.linalg.vector_norm((feats - own).float(), dim=-1)
     size = torch.linalg.vector_norm(own.float(), dim=-1).clamp_min(1e-6)
-    return float((diff / size).max())
+    return float((diff / size).flatten().quantile(0.9))
 
 
 def _cache_key(target: Target, input_ids: torch.Tensor, position_ids: torch.Tensor, candidates) -> str:
