@@ -45,7 +45,8 @@ def available() -> bool:
     return torch.cuda.is_available() and _kernel() is not None
 
 
-def _kernel():
+@functools.cache
+def _kernel():  # looked up once: the attention of every layer asks
     try:
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:
