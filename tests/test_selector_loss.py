@@ -135,10 +135,13 @@ class _Ops(torch.utils._python_dispatch.TorchDispatchMode):
     def __init__(self):
         super().__init__()
         self.counts = {"topk": 0, "argmax": 0, "scatter": 0}
+        self.topk_inputs = []  # the dtype of each top-k's input
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.overloadpacket.__name__
         name = "scatter" if "scatter" in name else name
+        if name == "topk":
+            self.topk_inputs.append(args[0].dtype)
         if name in self.counts:
             self.counts[name] += 1
         return func(*args, **(kwargs or {}))
@@ -169,6 +172,21 @@ def test_the_backward_computes_what_has_a_gradient_only(stop_gradient):
     chunks = -(-hidden.shape[0] * 3 * 4 // 5)  # 2 x 3 blocks of 4 draft positions, 5 rows a chunk
     assert ops["topk"] == (0 if stop_gradient else chunks) and ops["argmax"] == kept_ops["argmax"] == 0
     assert (kept_ops["scatter"] == 0) == (ops["scatter"] == 0) == stop_gradient
+
+
+def test_the_top_k_reads_the_matmuls_output_rather_than_an_fp32_copy_of_the_logits():
+    """The candidates come from the bf16 product itself (the cast to fp32 is exact and the multiplier and
+    cap keep the order), so no [positions, vocab] fp32 tensor is written for the top-k alone: 5 GB a
+    chunk at Qwen3's vocabulary. Their tokens and scores are those of the capped fp32 logits."""
+    from flashdraft.train.loss import _chunk_ce
+
+    hidden, head, labels, _ = _blocks(vocab=97)
+    h, head = hidden.flatten(0, 1).bfloat16(), head.bfloat16()
+    with _Ops() as ops:
+        _, _, values, index, _ = _chunk_ce(h, head, labels.flatten(), None, 0.0, SCALE, CAP, K)
+    assert ops.topk_inputs == [torch.bfloat16]
+    top = scale_and_cap((h @ head.t()).float(), SCALE, CAP).topk(K)
+    assert torch.equal(index, top.indices) and torch.equal(values, top.values)
 
 
 SETTINGS = DFlash2Settings(

@@ -117,7 +117,8 @@ def _chunk_ce(
     top-k logits and their tokens [rows, k] and the label's logit [rows] (the selector's unary scores),
     with a gradient when `top_grad`. In a checkpoint's recompute (`_recomputing`) only the loss, and the
     top-k when it has a gradient: the rest has none and comes from the forward."""
-    logits = scale_and_cap((h @ w_head.t()).float(), scale, softcap)
+    raw = h @ w_head.t()
+    logits = scale_and_cap(raw.float(), scale, softcap)
     loss = F.cross_entropy(logits, labels, reduction="none")
     if teacher is not None and distill > 0:
         with torch.no_grad():
@@ -131,10 +132,12 @@ def _chunk_ce(
         with torch.no_grad():
             pred = logits.argmax(-1)
     if top_k:
+        with torch.no_grad():  # the cast is exact and scale_and_cap increasing: the logits' order, read
+            index = raw.topk(top_k, dim=-1).indices  # where the matmul wrote it, no fp32 [rows, vocab] copy
         with torch.set_grad_enabled(top_grad and torch.is_grad_enabled()):
-            top = logits.topk(top_k, dim=-1)
+            values = logits.gather(-1, index)
             label_logit = logits.gather(-1, labels[:, None])[:, 0]
-        return loss, pred, top.values, top.indices, label_logit
+        return loss, pred, values, index, label_logit
     return loss, pred
 
 
