@@ -248,6 +248,7 @@ def run_bench(
     target_fp8: bool = False,
     profile: Path | None = None,
     target_attention: str = "auto",
+    target_experts: str = "auto",
     documents: int | None = None,
     architecture: str = "dflash",
 ) -> BenchResult | None:
@@ -273,6 +274,7 @@ def run_bench(
             "compile_target": compile_target,
             "target_fp8": target_fp8,
             "target_attention": target_attention,
+            "target_experts": target_experts,
             "drafter.mask_token_id": QWEN3_MASK_ID if tcfg.vocab_size == QWEN3_VOCAB else tcfg.vocab_size - 1,
         },
     )

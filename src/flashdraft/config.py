@@ -280,6 +280,13 @@ class TrainConfig(_Strict):
         "flex_attention and varlen (torch's variable-length flash kernel) on the first batch's target "
         "forward (measured at start-up, remembered per machine and shape). The start-up line names it",
     )
+    target_experts: str = Field(
+        "auto",
+        pattern="^(auto|eager|batched_mm|grouped_mm|gather_sum)$",
+        description="a mixture-of-experts target's transformers experts implementation; auto: the model's "
+        "own (grouped_mm where torch has it); gather_sum: grouped_mm with each token's expert outputs "
+        "summed as one pointwise pass (flashdraft.model.experts). Refused for a target without experts",
+    )
     attention: str = Field(
         "auto",
         pattern="^(auto|flex|dense)$",

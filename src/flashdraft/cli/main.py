@@ -440,6 +440,9 @@ def bench(
         help="the target's attention: auto (packed rows on a GPU: the faster of sdpa and flex_attention, "
         "measured; else the model's own), sdpa, eager, flex_attention, ...",
     ),
+    target_experts: str = typer.Option(
+        "auto", help="a mixture-of-experts target's experts code (train.target_experts): auto, gather_sum"
+    ),
     nproc: int | None = typer.Option(None, help="launch N processes on this machine (torch's launcher)"),
     json_out: Path | None = typer.Option(None, "--json", help="write the result as JSON here"),
     profile: Path | None = typer.Option(
@@ -487,6 +490,7 @@ def bench(
             target_fp8=target_fp8,
             profile=profile,
             target_attention=target_attention,
+            target_experts=target_experts,
             documents=documents,
             architecture=architecture,
         )

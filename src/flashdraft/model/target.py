@@ -300,7 +300,7 @@ class Target:
             f"attention {self.config._attn_implementation}",
         ]
         experts = getattr(self.config, "_experts_implementation", None)
-        if experts and _has_experts(self.model):
+        if experts and has_experts(self.model):
             parts.append(f"experts {experts}")
         parts.append(f"packed rows: {PACKING_LINES[self.packing]}")
         return "; ".join(parts)
@@ -313,7 +313,7 @@ PACKING_LINES = {
 }
 
 
-def _has_experts(model: nn.Module) -> bool:
+def has_experts(model: nn.Module) -> bool:
     return any(type(m).__name__.endswith("Experts") for m in model.modules())
 
 

@@ -24,6 +24,7 @@ from flashdraft.distributed.topology import Topology, init_topology
 from flashdraft.model.checkpoint import latest_checkpoint, load_drafter
 from flashdraft.model.dflash2 import DFlash2Settings
 from flashdraft.model.drafter import DFlashDrafter, check_dflash2, default_target_layer_ids, drafter_config
+from flashdraft.model.experts import set_target_experts
 from flashdraft.model.target import (
     Target,
     choose_packing,
@@ -334,12 +335,14 @@ def load_target_layers(cfg: TrainConfig, source: RunSource, topo: Topology, laye
         if source.load_sharded is None:
             raise ValueError("this run's target cannot be sharded (it is not read from a directory)")
         model, tokenizer = source.load_sharded(layers, topo, cfg.target_attention)
+        set_target_experts(model, cfg.target_experts)
         if topo.rank == 0:
             from flashdraft.distributed.sharded_target import sharding_line
 
             print(sharding_line(model, topo), flush=True)
         return model, tokenizer
     model, tokenizer = source.load_target(layers, topo.device, cfg.target_attention)
+    set_target_experts(model, cfg.target_experts)
     if cfg.target_fp8:
         from flashdraft.model.fp8 import check_fp8_device
 
