@@ -51,6 +51,18 @@ from flashdraft.train.flops import matmul_tflops, mfu, micro_batch_flops, sync
 LOSS = {"dflash": ("ce", "dpace"), "dflash2": ("kl_div", "fixed-exp-decay")}
 
 
+def unshare_autotune_configs() -> None:
+    """speculators 0.9.0 decorates its fused loss's forward and backward kernels with one triton.autotune,
+    so both kernels hold the same list of configs. Tracing its compiled forward, dynamo (torch 2.11) meets
+    that list under both names and stops ("ListVariable ... is already tracked for mutation"). The
+    backward kernel gets a copy: the same configs in a list of its own."""
+    from speculators.losses import fused
+
+    kernel = fused.loss_backward_kernel
+    if kernel.configs is fused.loss_forward_kernel.configs:
+        kernel.configs = list(kernel.configs)
+
+
 def our_drafter(args):
     """The run config and drafter config `flashdraft bench` builds for these options (bench.run_bench)."""
     tcfg = shape_config(args.shape)
@@ -243,6 +255,8 @@ def main() -> None:
         opt.step()
         return metrics["full_acc_total"]  # the positions the loss weighs (the anchor slot is not one)
 
+    if compiled:
+        unshare_autotune_configs()
     peak = matmul_tflops(dev)
     if cuda:
         torch.cuda.empty_cache()
