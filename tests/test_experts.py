@@ -23,9 +23,19 @@ def test_gather_sum_experts_compute_the_models_own_experts(family):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+def test_auto_takes_gather_sum_where_the_model_takes_grouped_mm_and_keeps_any_other():
+    model = build("qwen3_moe", vocab_size=64, eos_token_id=1, pad_token_id=0)
+    assert model.config._experts_implementation == "grouped_mm"  # transformers' default where it runs
+    set_target_experts(model, "auto")
+    assert model.config._experts_implementation == NAME
+    model.set_experts_implementation("eager")
+    set_target_experts(model, "auto")
+    assert model.config._experts_implementation == "eager"
+
+
 def test_a_target_without_routed_experts_refuses_them():
     model = build("qwen3", vocab_size=64, eos_token_id=1, pad_token_id=0)
-    set_target_experts(model, "auto")  # the model's own choice: nothing to set
+    set_target_experts(model, "auto")  # nothing to set
     with pytest.raises(ValueError, match="target_experts 'gather_sum': the target has no routed experts"):
         set_target_experts(model, NAME)
     with pytest.raises(ValueError, match="target_experts"):

@@ -283,9 +283,10 @@ class TrainConfig(_Strict):
     target_experts: str = Field(
         "auto",
         pattern="^(auto|eager|batched_mm|grouped_mm|gather_sum)$",
-        description="a mixture-of-experts target's transformers experts implementation; auto: the model's "
-        "own (grouped_mm where torch has it); gather_sum: grouped_mm with each token's expert outputs "
-        "summed as one pointwise pass (flashdraft.model.experts). Refused for a target without experts",
+        description="a mixture-of-experts target's transformers experts implementation; auto: gather_sum "
+        "where the model's own is grouped_mm (the same GEMMs, each token's expert outputs summed as one "
+        "pointwise pass: flashdraft.model.experts), else the model's own. Any other name is refused for "
+        "a target without routed experts",
     )
     attention: str = Field(
         "auto",
