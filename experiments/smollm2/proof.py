@@ -57,6 +57,11 @@ def main() -> None:
     )
     ap.add_argument("--humaneval", type=int, help="HumanEval problems in the eval (default: the scale's)")
     ap.add_argument(
+        "--reference-prompts",
+        type=int,
+        help="HumanEval problems the reference dflash package decodes, 0 for none (default: the scale's)",
+    )
+    ap.add_argument(
         "--drafter-minutes",
         type=float,
         help="train the drafter this long over this run and the next ones (the same command resumes it); "
@@ -74,6 +79,8 @@ def main() -> None:
     scale = scales[args.target][0 if args.smoke else 1]
     if args.humaneval is not None:
         scale = dataclasses.replace(scale, humaneval=args.humaneval)
+    if args.reference_prompts is not None:
+        scale = dataclasses.replace(scale, reference_prompts=args.reference_prompts)
     if args.prompts is not None:
         count = args.prompts + scale.held_out
         scale = dataclasses.replace(scale, prompts=count, code_prompts=count if scale.code_prompts else 0)
