@@ -11,7 +11,10 @@
 #                                   /root/keep/gproof/target /root/keep/gproof/prompts.code.jsonl --batch 64
 #   call 6..:                     bash dev/gemma3_gpu.sh run [proof options, e.g. --minutes 9.3]
 # `run` joins the chunks once (hash checked), then continues the proof in /root/keep/gproof where it
-# stopped; logs, the summary, the evals and the drafter's weights (15 MiB parts) come back in $OUT.
+# stopped; logs, the summary, the evals and the drafter's weights (15 MiB parts) come back in $OUT, and,
+# once, after the regenerate stage, the prompts and answers (gproofdata.tgz.part-*, `pack`). Copied into
+# .gemma0/ they travel with call 0, and a later proof on a fresh machine starts from them (dev/packed.py
+# seeds it), skipping the prompts and regenerate stages (about 4 minutes of the H200).
 set -uo pipefail
 started=${CALL_STARTED:-$(date +%s)}
 cd "$(dirname "$0")/.."
@@ -20,10 +23,17 @@ GGUF=/root/keep/gemma/gemma-3-270m-q4_k_m.gguf
 case "${1:-}" in
   site)  # the wheels flashdraft needs that the GPU image lacks
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$SITE" .whl/*.whl \
-      $(ls .gemma0/*.whl 2>/dev/null) ;;
+      $(ls .gemma0/*.whl 2>/dev/null) || exit 3
+    if ls .gemma0/gproofdata.t?z* >/dev/null 2>&1; then mkdir -p /root/keep && cp .gemma0/gproofdata.t?z* /root/keep/; fi ;;
   run)
     shift
     [ -f "$GGUF" ] || bash dev/carry_gemma.sh join || exit 3
+    packed=$(ls /root/keep/gproofdata.t?z* 2>/dev/null | head -1)
+    if [ -n "$packed" ] && [ ! -f "$PROOF/summary.json" ]; then  # another run's prompts and answers
+      mkdir -p "$PROOF" && cat "${packed%.part-*}"* | tar xz -C "$PROOF" || exit 3
+      PYTHONPATH=$SITE:$PWD/src python3 dev/packed.py seed "$PROOF" || exit 3
+      echo "proof seeded from ${packed%.part-*}*: prompts and answers kept"
+    fi
     mkdir -p "$LOGS"
     n=$(ls "$LOGS" | wc -l)
     minutes=9
@@ -36,6 +46,11 @@ case "${1:-}" in
     grep -v "it/s\]\|examples/s\]" "$LOGS/call$n.log" | tail -40
     tar czf "${OUT:-/tmp}/gproof_logs.tgz" -C /root/keep glogs gproof/summary.json gproof/run/metrics.jsonl \
       gproof/eval $(cd /root/keep && ls gproof/*.failed.jsonl 2>/dev/null) 2>/dev/null
+    if [ ! -f /root/keep/gproofdata.sent ] && python3 -c "import json, sys; \
+        sys.exit('regenerate' not in json.load(open('$PROOF/summary.json')).get('stages', []))" 2>/dev/null; then
+      files=$(PYTHONPATH=$SITE:$PWD/src python3 dev/packed.py files "$PROOF") && (cd "$PROOF" && tar czf - $files) \
+        | split -b 15M -d - "${OUT:-/tmp}/gproofdata.tgz.part-" && touch /root/keep/gproofdata.sent
+    fi
     ckpt=$(python3 -c "import json; print(json.load(open('$PROOF/summary.json')).get('checkpoint', ''))" 2>/dev/null)
     if [ -n "$ckpt" ] && [ -d "$ckpt" ] && [ "$(cat /root/keep/gdrafter.sent 2>/dev/null)" != "$ckpt" ]; then
       tar czf - -C "$(dirname "$ckpt")" --exclude trainer_state.pt --exclude compile_cache.bin "$(basename "$ckpt")" \

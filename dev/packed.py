@@ -1,10 +1,11 @@
-"""The SmolLM2 proof's data carried between GPU machines as a few small files.
+"""A real-target proof's data (SmolLM2 or Gemma 3) carried between GPU machines as a few small files.
 
 A proof directory's prompts and answers (PACKED) are packed on one machine and unpacked into a fresh
 proof directory on another; `seed_from_packed` then turns that directory into one whose data stages
-continue from those files instead of synthesizing and answering again. dev/smollm2_gpu.sh runs it:
+continue from those files instead of synthesizing and answering again. dev/smollm2_gpu.sh and
+dev/gemma3_gpu.sh run it:
 
-    python3 dev/packed.py files          # the file names to pack, on one line
+    python3 dev/packed.py files PROOF    # the file names to pack, those PROOF has, on one line
     python3 dev/packed.py seed PROOF     # after unpacking them into PROOF
 """
 
@@ -16,7 +17,14 @@ from pathlib import Path
 
 from flashdraft.demo.real_target import _lines, _write_lines
 
-PACKED = ("conversations.jsonl", "prompts.chat.jsonl", "prompts.code.jsonl", "summary.json")
+# a chat target's prompts are chat and code, a base model's text and code
+PROMPTS = tuple(f"prompts.{kind}.jsonl" for kind in ("chat", "text", "code"))
+PACKED = ("conversations.jsonl", *PROMPTS, "summary.json")
+
+
+def packed_files(out: Path) -> list[str]:
+    """The PACKED files the proof directory `out` has."""
+    return [name for name in PACKED if (Path(out) / name).is_file()]
 
 
 def seed_from_packed(out: Path) -> dict:
@@ -50,12 +58,12 @@ def seed_from_packed(out: Path) -> dict:
 
 
 def main(argv: list[str]) -> None:
-    if argv[:1] == ["files"] and len(argv) == 1:
-        print(*PACKED)
+    if argv[:1] == ["files"] and len(argv) == 2:
+        print(*packed_files(Path(argv[1])))
     elif argv[:1] == ["seed"] and len(argv) == 2:
         seed_from_packed(Path(argv[1]))
     else:
-        sys.exit("usage: python3 dev/packed.py files | seed PROOF")
+        sys.exit("usage: python3 dev/packed.py files PROOF | seed PROOF")
 
 
 if __name__ == "__main__":

@@ -136,7 +136,7 @@ case "${1:-}" in
     exit $rc ;;
   pack)  # in parts of 15 MiB (a file back from the device is at most 16 MiB): proofdata.tgz.part-00, ...
     export PYTHONPATH=$SITE:$PWD/src
-    files=$(python3 dev/packed.py files) || exit 3
+    files=$(python3 dev/packed.py files "$PROOF") || exit 3
     (cd "$PROOF" && tar czf - $files | split -b 15M -d - "${OUT:-/tmp}/proofdata.tgz.part-") ;;
   *) echo "usage: $0 keep | run [smollm2_proof.py options] | evals SECONDS [smollm2_evals.py options]" \
        "| compare [flashdraft compare options] | pack" >&2

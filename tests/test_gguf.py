@@ -250,7 +250,7 @@ def test_a_packed_proof_seeds_one_whose_data_stages_do_only_what_it_lacks(tmp_pa
     """seed_from_packed restores each temperature's answers (ids without the temperature, which
     regenerate_file then skips) and keeps only the target stage, so that prompts and regenerate run
     again on the files; a packed run without its data stages, or an id naming no temperature, is refused."""
-    from dev.packed import seed_from_packed
+    from dev.packed import packed_files, seed_from_packed
 
     def conversation(i, t):
         messages = [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"a{i} at {t}"}]
@@ -261,6 +261,8 @@ def test_a_packed_proof_seeds_one_whose_data_stages_do_only_what_it_lacks(tmp_pa
     packed = {"stages": ["target", "prompts", "regenerate", "prepare", "drafter"], "answered": 6,
               "seconds": {"target_s": 19.8, "regenerate_s": 156.3}, "drafter_plan": {"steps": 9}}  # fmt: skip
     (tmp_path / "summary.json").write_text(json.dumps(packed))
+    (tmp_path / "prompts.text.jsonl").write_text("")  # a base model's prompts: text and code
+    assert packed_files(tmp_path) == ["conversations.jsonl", "prompts.text.jsonl", "summary.json"]
     summary = seed_from_packed(tmp_path)
     assert summary["stages"] == ["target"] and "drafter_plan" not in summary
     assert summary["seconds"] == {"target_s": 19.8} and summary["seeded"]["answered"] == 6
