@@ -3,20 +3,20 @@
     python benchmarks/trace_summary.py runs/prof/trace.json.gz [--steps 2] [--top 25]
 
 Per step (the profile covers `--steps`, 2 by default): the span from the first kernel to the last, the
-kernels' total and the idle rest; the kernels with most time; the GPU time under each phase (the phases
-are named ranges, `phase:NAME`; the backward's kernels are launched from autograd's own thread, outside
-them, so they count as `(no phase)`); and every host wait longer than 0.5 ms (`cudaStreamSynchronize`,
-`cudaDeviceSynchronize`) with the ops it sat in: a wait inside a step leaves the GPU idle while the host
-catches up afterwards.
+kernels' total and the idle rest; the kernels with most time; each phase's kernels (the bench's
+DIR/phases.txt, flashdraft.bench.phase_table); and every host wait longer than 0.5 ms
+(`cudaStreamSynchronize`, `cudaDeviceSynchronize`) with the ops it sat in: a wait inside a step leaves the
+GPU idle while the host catches up afterwards.
 """
 
 from __future__ import annotations
 
 import argparse
-import bisect
 import gzip
 import json
 from collections import Counter, defaultdict
+
+from flashdraft.bench import phase_table
 
 GPU_WORK = ("kernel", "gpu_memset", "gpu_memcpy")
 
@@ -28,18 +28,10 @@ def summarize(trace: dict, steps: int = 2, top: int = 25) -> dict:
         raise ValueError("no GPU kernels in the trace (was it profiled on a GPU?)")
     span = kernels[-1]["ts"] + kernels[-1]["dur"] - kernels[0]["ts"]
     busy = sum(e["dur"] for e in kernels)
-    phases = sorted(
-        (e["ts"], e["ts"] + e["dur"], e["name"][len("phase:") :])
-        for e in events
-        if e.get("cat") == "gpu_user_annotation" and e["name"].startswith("phase:")
-    )
-    starts = [p[0] for p in phases]
-    by_name, count, by_phase = defaultdict(float), Counter(), defaultdict(float)
+    by_name, count = defaultdict(float), Counter()
     for e in kernels:
         by_name[e["name"]] += e["dur"]
         count[e["name"]] += 1
-        i = bisect.bisect_right(starts, e["ts"]) - 1
-        by_phase[phases[i][2] if i >= 0 and e["ts"] < phases[i][1] else "(no phase)"] += e["dur"]
     ms = 1e-3 / steps  # trace times are microseconds
     return {
         "span_ms": span * ms,
@@ -48,7 +40,7 @@ def summarize(trace: dict, steps: int = 2, top: int = 25) -> dict:
         "top": [
             (n, d * ms, count[n] // steps) for n, d in sorted(by_name.items(), key=lambda x: -x[1])[:top]
         ],
-        "phases_ms": {p: d * ms for p, d in sorted(by_phase.items(), key=lambda x: -x[1])},
+        "phases": phase_table(events, steps, device=True),
         "waits": _host_waits(events),
     }
 
@@ -80,12 +72,10 @@ def main() -> None:
     print(
         f"per step: span {s['span_ms']:.1f} ms, kernels {s['kernels_ms']:.1f} ms, idle {s['idle_ms']:.1f} ms"
     )
-    print("GPU time by phase (ms a step):")
-    for phase, d in s["phases_ms"].items():
-        print(f"  {d:8.2f}  {phase}")
     print("kernels (ms a step, launches a step):")
     for name, d, n in s["top"]:
         print(f"  {d:8.2f}  x{n:<4d} {name[:110]}")
+    print(s["phases"], end="")
     print("host waits over 0.5 ms (whole profile):")
     for d, where in s["waits"]:
         print(f"  {d:8.2f}  {where[:140]}")

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from flashdraft.bench import DEFAULT_ROWS, SyntheticStream, shape_config
+from flashdraft.bench import DEFAULT_ROWS, SyntheticStream, phase_table, shape_config
 from flashdraft.cli.main import app
 from flashdraft.config import resolve_config
 from flashdraft.model.drafter import drafter_config
@@ -55,6 +55,35 @@ def test_bench_tiny_reports_throughput_mfu_and_phases(tmp_path):
     assert {f"phase:{p}" for p in phases} <= names
     ops = (tmp_path / "prof" / "ops.txt").read_text()
     assert "aten::mm" in ops and "[[" in ops
+    # phases.txt: each phase with its outermost operators (a CPU has no kernels)
+    table = (tmp_path / "prof" / "phases.txt").read_text()
+    for phase in phases:
+        assert f"\n{phase}: " in table
+    target_part = table.split("\ntarget_forward: ")[1].split("\n\n")[0]
+    assert "of it in operators" in target_part and "aten::" in target_part
+
+
+def test_the_phase_table_gives_each_phase_the_kernels_that_ran_after_its_range_began():
+    """On the device a kernel belongs to the phase whose range began last before it, even past the range's
+    end (autograd launches the backward's kernels from a thread of its own, outside the range); a phase's
+    time runs to its last kernel's end."""
+
+    def rng(name, ts, dur):
+        return {"cat": "gpu_user_annotation", "name": f"phase:{name}", "ts": ts, "dur": dur}
+
+    def kernel(name, ts, dur):
+        return {"cat": "kernel", "name": name, "ts": ts, "dur": dur, "tid": 7}
+
+    events = [rng("forward", 0, 1000), rng("backward", 1000, 10), rng("optimizer", 5000, 500),
+              kernel("gemm", 100, 400), kernel("gemm", 600, 300), kernel("gemm_bwd", 1005, 1500),
+              kernel("flex_bwd", 2600, 2000), kernel("adam", 5100, 300),
+              {"cat": "cpu_op", "name": "aten::mm", "ts": 100, "dur": 5000, "tid": 1}]  # fmt: skip
+    lines = phase_table(events, steps=1, device=True).splitlines()
+    assert lines[2] == "forward: 1.00 ms, 0.70 ms of it in kernels"
+    assert lines[3].split() == ["0.70", "2x", "gemm"]
+    assert lines[5] == "backward: 3.60 ms, 3.50 ms of it in kernels"
+    assert [line.split()[-1] for line in lines[6:8]] == ["flex_bwd", "gemm_bwd"]  # the longest first
+    assert lines[9] == "optimizer: 0.50 ms, 0.30 ms of it in kernels"
 
 
 def test_bench_takes_rows_from_the_measured_table_unless_told_and_the_target_attention(tmp_path, monkeypatch):
@@ -174,7 +203,7 @@ def test_trace_summary_splits_a_step_into_kernels_phases_idle_time_and_host_wait
         {"cat": "gpu_user_annotation", "name": "phase:loss_forward", "ts": 0, "dur": 1000},
         kernel("gemm", 0, 600),
         kernel("softmax", 700, 300),  # 100 us idle before it
-        kernel("gemm", 1500, 500),  # a backward kernel, outside every phase; 500 us idle before it
+        kernel("gemm", 1500, 500),  # launched by autograd's thread, outside the range; 500 us idle before it
         {"cat": "cuda_runtime", "name": "cudaStreamSynchronize", "ts": 1010, "dur": 380, "tid": 1},
         {"cat": "user_annotation", "name": "phase:target_forward", "ts": 1750, "dur": 800, "tid": 1},
         {"cat": "cpu_op", "name": "aten::item", "ts": 1790, "dur": 700, "tid": 1},
@@ -184,7 +213,7 @@ def test_trace_summary_splits_a_step_into_kernels_phases_idle_time_and_host_wait
     s = summarize({"traceEvents": events}, steps=1)
     assert (s["span_ms"], s["kernels_ms"], s["idle_ms"]) == pytest.approx((2.0, 1.4, 0.6))
     assert s["top"][0] == ("gemm", pytest.approx(1.1), 2)
-    assert s["phases_ms"] == pytest.approx({"loss_forward": 0.9, "(no phase)": 0.5})
+    assert "loss_forward: 2.00 ms, 1.40 ms of it in kernels" in s["phases"]  # the backward's gemm too
     # the 380 us wait is under the threshold; the other names what it sat in, on its own thread
     assert s["waits"] == [(0.6, "phase:target_forward > aten::item")]
 

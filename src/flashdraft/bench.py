@@ -9,11 +9,16 @@ counted as in docs/perf.md.
 `profile`: after the measured steps, PROFILED_STEPS more run under torch.profiler; DIR/trace.json.gz is
 the Chrome trace (each phase a named range) and DIR/ops.txt the ops by device time with their input
 shapes (a matmul's shape tells its rate), for the question the phase table leaves open: which kernels.
+DIR/phases.txt splits them by phase: each phase's time on the device (on a CPU, its time), how much of
+it kernels filled (the rest is the device waiting on the host), and its kernels (on a CPU, its outermost
+operators) by time a step.
 """
 
 from __future__ import annotations
 
+import bisect
 import gzip
+import json
 import shutil
 import statistics
 import tempfile
@@ -437,9 +442,57 @@ def _profile(trainer: Trainer, dev: torch.device, out: Path) -> None:
     (out / "ops.txt").write_text(f"{PROFILED_STEPS} steps, sorted by {sort}\n{table}\n")
     raw = out / "trace.json"
     prof.export_chrome_trace(str(raw))
+    events = json.loads(raw.read_text())["traceEvents"]
+    (out / "phases.txt").write_text(phase_table(events, PROFILED_STEPS, device=dev.type == "cuda"))
     with raw.open("rb") as src, gzip.open(out / "trace.json.gz", "wb") as dst:
         shutil.copyfileobj(src, dst)
     raw.unlink()
+
+
+def phase_table(events: list[dict], steps: int, device: bool, top: int = 15) -> str:
+    """DIR/phases.txt from a Chrome trace's events: per phase (the ranges named phase:NAME), its time a step,
+    the time its kernels took and its `top` kernels by time a step; on a CPU its outermost operators.
+
+    On the device a kernel belongs to the phase whose range began last before it: a step's phases run
+    one after another on one stream, and the device-side range of the backward covers only the kernels
+    the main thread launched (autograd launches the rest from its own thread). A phase's time runs from its
+    range's start to the end of its range or of its last kernel, whichever is later. On a CPU an operator
+    counts in the range it starts in."""
+    range_cat, op_cat = ("gpu_user_annotation", "kernel") if device else ("user_annotation", "cpu_op")
+    ranges = sorted(
+        (e["ts"], e["ts"] + e["dur"], e["name"].removeprefix("phase:"))
+        for e in events
+        if e.get("cat") == range_cat and e.get("name", "").startswith("phase:")
+    )
+    ops = sorted((e["ts"], e["dur"], e.get("tid"), e["name"]) for e in events if e.get("cat") == op_cat)
+    if not device:  # operators nest on a CPU: keep each thread's outermost
+        ends, outer = {}, []
+        for op in ops:
+            if op[0] >= ends.get(op[2], -1):
+                outer.append(op)
+                ends[op[2]] = op[0] + op[1]
+        ops = outer
+    starts, last = [r[0] for r in ranges], [r[1] for r in ranges]
+    times: dict[str, dict[str, list]] = {phase: {} for _, _, phase in ranges}
+    for ts, dur, _, name in ops:
+        k = bisect.bisect_right(starts, ts) - 1
+        if k < 0 or (not device and ts >= ranges[k][1]):
+            continue
+        entry = times[ranges[k][2]].setdefault(name, [0.0, 0])
+        entry[0] += dur
+        entry[1] += 1
+        last[k] = max(last[k], ts + dur)
+    spans = dict.fromkeys(times, 0.0)
+    for (start, _, phase), end in zip(ranges, last, strict=True):
+        spans[phase] += end - start
+    unit = "kernels" if device else "operators"
+    lines = [f"{steps} steps; a phase's time and its {unit}' times are per step, in ms"]
+    for phase, by_name in times.items():
+        span, busy = spans[phase] / 1e3 / steps, sum(t for t, _ in by_name.values()) / 1e3 / steps
+        lines.append(f"\n{phase}: {span:.2f} ms, {busy:.2f} ms of it in {unit}")
+        for name, (t, n) in sorted(by_name.items(), key=lambda kv: -kv[1][0])[:top]:
+            lines.append(f"  {t / 1e3 / steps:9.2f} {n / steps:6.0f}x  {name[:110]}")
+    return "\n".join(lines) + "\n"
 
 
 def _rank_info(topo, dev, startup: float, first_step: float | None, report=None) -> dict:

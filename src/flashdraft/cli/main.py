@@ -447,7 +447,8 @@ def bench(
     json_out: Path | None = typer.Option(None, "--json", help="write the result as JSON here"),
     profile: Path | None = typer.Option(
         None,
-        help="also profile 2 steps: DIR/trace.json.gz (Chrome trace) and DIR/ops.txt (ops by device time)",
+        help="also profile 2 steps: DIR/trace.json.gz (Chrome trace), DIR/ops.txt (ops by device time) and "
+        "DIR/phases.txt (each phase's kernels)",
     ),
 ) -> None:
     """Training throughput on random weights of a named target shape: tok/s, MFU, memory, phases.
