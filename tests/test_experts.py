@@ -40,3 +40,33 @@ def test_a_target_without_routed_experts_refuses_them():
         set_target_experts(model, NAME)
     with pytest.raises(ValueError, match="target_experts"):
         resolve_config("default", target_experts="fastest")
+
+
+def test_gather_sum_applies_a_post_expert_norm_as_transformers_grouped_mm_does():
+    from transformers.integrations.moe import grouped_mm_experts_forward
+
+    from flashdraft.model.experts import gather_sum_experts
+
+    model = build("qwen3_moe", vocab_size=64, eos_token_id=1, pad_token_id=0)
+    experts = next(m for m in model.modules() if type(m).__name__.endswith("Experts"))
+    experts.has_post_expert_norm = True  # as a family with a norm after each expert sets it
+    experts.post_expert_norm = torch.nn.LayerNorm(model.config.hidden_size)
+    g = torch.Generator().manual_seed(1)
+    hidden = torch.randn(10, model.config.hidden_size, generator=g)
+    index = torch.randint(0, model.config.num_experts, (10, 2), generator=g)
+    weights = torch.rand(10, 2, generator=g)
+    with torch.no_grad():
+        want = grouped_mm_experts_forward(experts, hidden, index, weights)
+        got = gather_sum_experts(experts, hidden, index, weights)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_auto_keeps_expert_parallel_experts_and_gather_sum_refuses_them():
+    model = build("qwen3_moe", vocab_size=64, eos_token_id=1, pad_token_id=0)
+    for m in model.modules():
+        if type(m).__name__.endswith("Experts"):
+            m._is_expert_parallel = True
+    set_target_experts(model, "auto")
+    assert model.config._experts_implementation == "grouped_mm"
+    with pytest.raises(ValueError, match="'gather_sum': the target's experts are expert-parallel"):
+        set_target_experts(model, NAME)

@@ -31,8 +31,6 @@ def gather_sum_experts(
     top_k_weights [tokens, k] -> [tokens, D]."""
     from transformers.integrations.moe import _grouped_linear
 
-    if getattr(self, "_is_expert_parallel", False) or getattr(self, "has_post_expert_norm", False):
-        raise NotImplementedError(f"{NAME} experts: no expert parallelism and no post-expert norm")
     tokens, k = top_k_index.shape
     expert_ids, order = torch.sort(top_k_index.reshape(-1))  # the token-expert pairs by expert
     rows = hidden_states[order // k]
@@ -44,6 +42,8 @@ def gather_sum_experts(
     out = self._apply_gate(out) if self.has_gate else self.act_fn(out)
     down_bias = _bias(self, "down_proj", expert_ids)
     out = _grouped_linear(out, self.down_proj, offsets, down_bias, self.is_transposed)
+    if getattr(self, "has_post_expert_norm", False):
+        out = self.post_expert_norm(out)
     # pair j of token t (t * k + j in token order) is row where[t, j] of `out`
     where = torch.empty_like(order)
     where[order] = torch.arange(order.numel(), device=order.device)
@@ -69,15 +69,19 @@ def register() -> None:
 def set_target_experts(model: nn.Module, name: str) -> None:
     """`train.target_experts`: "auto" takes NAME where the model's own choice is grouped_mm (the same
     computation, summed faster) and leaves any other; any other name is set as given. Both on a model with
-    routed experts only: a name other than auto is refused on one without."""
+    routed experts only: a name other than auto is refused on one without. NAME has no expert parallelism
+    (transformers' sentinel rows): auto leaves such a model's own choice, and asking for NAME is refused."""
     if not has_experts(model):
         if name != "auto":
             raise ValueError(f"train.target_experts {name!r}: the target has no routed experts; use auto")
         return
+    parallel = any(getattr(m, "_is_expert_parallel", False) for m in model.modules())
     if name == "auto":
-        if model.config.get_text_config()._experts_implementation != "grouped_mm":
+        if parallel or model.config.get_text_config()._experts_implementation != "grouped_mm":
             return
         name = NAME
+    if name == NAME and parallel:
+        raise ValueError(f"train.target_experts {NAME!r}: the target's experts are expert-parallel; use auto")
     if name == NAME:
         register()
     model.set_experts_implementation(name)
