@@ -17,6 +17,7 @@ from typer.testing import CliRunner
 from flashdraft.cli.data import data_app
 from flashdraft.data.formats import RawRecord, parse_record
 from flashdraft.data.regenerate import (
+    UNTRUNCATED,
     LocalBackend,
     Regenerated,
     ServerBackend,
@@ -212,6 +213,21 @@ def test_completions_continue_prompt_records_as_plain_text(fake_server, tmp_path
     assert failed["id"] == "r1" and failed["reason"] == "no_chat_template"
 
 
+def test_server_requests_ask_for_the_targets_own_distribution(fake_server, tmp_path):
+    """Every request, chat or plain text, turns off the truncation and penalties a server would otherwise
+    take from the model's recommended sampling or its own defaults."""
+    server = fake_server()
+    write_input(tmp_path / "in.jsonl", 2)
+    regenerate_file(
+        backend(server, temperature=1.0), str(tmp_path / "in.jsonl"), tmp_path / "o", progress=False
+    )
+    (tmp_path / "p.jsonl").write_text(json.dumps({"id": "p", "prompt": "def f():"}) + "\n")
+    plain = backend(server, temperature=1.0, plain=True)
+    regenerate_file(plain, str(tmp_path / "p.jsonl"), tmp_path / "po", progress=False)
+    assert "messages" in server.requests[0] and "prompt" in server.requests[-1]
+    assert all(r["temperature"] == 1.0 and r.items() >= UNTRUNCATED.items() for r in server.requests)
+
+
 def test_failures_are_recorded_with_their_reason_and_retried_by_the_next_run(fake_server, tmp_path):
     want = write_input(tmp_path / "in.jsonl", 6)
     with (tmp_path / "in.jsonl").open("a") as f:
@@ -402,6 +418,34 @@ def test_local_backend_attention_is_grouped_named_or_kept(tiny_target_dir):
     assert LocalBackend(model, tokenizer, max_new_tokens=6).attention_name == "grouped_decode_matmul"
     with pytest.raises(ValueError, match="kernel must be one of"):
         LocalBackend(model, tokenizer, max_new_tokens=6, attention="grouped_flash")
+
+
+def test_local_sampling_is_the_targets_own_distribution_whatever_the_model_recommends(tiny_target_dir):
+    """At T = 1 every token can be drawn (generate's default top_k 50 and the model's own top_k are off);
+    at T = 0 the answers are the model's argmax, a repetition penalty in its generation_config ignored."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_target_dir)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_target_dir)
+    messages = [{"role": "user", "content": "a question"}]
+    expected = reference(model, tokenizer, messages, 8).messages
+    model.generation_config.update(top_k=20, top_p=0.5, repetition_penalty=5.0)
+    greedy_backend = LocalBackend(model, tokenizer, max_new_tokens=8, attention=None)
+    assert greedy_backend.regenerate([messages]) == [expected]
+    forward = model.forward
+
+    def flat(*args, **kwargs):  # every token about equally likely, in a strict order (top-k cuts ties)
+        out = forward(*args, **kwargs)
+        out.logits = torch.linspace(0.0, -0.5, out.logits.shape[-1]).expand_as(out.logits).contiguous()
+        return out
+
+    model.forward = flat
+    model.generation_config.update(top_k=20, top_p=0.5)
+    torch.manual_seed(0)
+    sampled = LocalBackend(
+        model, tokenizer, max_new_tokens=1, temperature=1.0, batch_size=400, attention=None
+    )
+    answers = {c[-1]["content"] for c in sampled.regenerate([messages] * 400)}
+    # 400 draws of 384 about equally likely tokens: over 200 distinct; generate's default top_k: 50 at most
+    assert len(answers) > 100
 
 
 def test_local_backend_rejects_an_unknown_cache(tiny_target):

@@ -43,6 +43,11 @@ from flashdraft.model.target import default_device, stop_token_ids
 
 _RETRY_STATUS = {408, 409, 425, 429, 500, 502, 503, 504}
 _MAX_BACKOFF_S = 60.0
+# The target's own distribution, softmax(logits / T), which `flashdraft eval` samples and verifies against.
+# Left unsaid, a server applies the model's recommended sampling (Qwen3's generation_config: top_k 20, top_p
+# 0.95) or its own defaults (llama.cpp: top_k 40, min_p 0.05), and a repetition penalty changes even the
+# greedy answers. Sent with every request; top_k -1 is "all tokens" to SGLang, vLLM and llama.cpp alike.
+UNTRUNCATED = {"top_p": 1.0, "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0}
 
 
 @dataclass
@@ -129,7 +134,7 @@ class ServerBackend:
             check_regenerable(conv, self.plain)
             if self.plain:
                 body = {"model": self.model, "prompt": conv.prompt, "max_tokens": self.max_tokens,
-                        "temperature": self.temperature}  # fmt: skip
+                        "temperature": self.temperature, **UNTRUNCATED}  # fmt: skip
                 text, cut = parse_text_completion(self._post(client, body, "/completions"))
                 return Regenerated([conv.messages[0], _answer(text)], int(cut))
             messages, truncated = answer_slots(conv.messages), 0
@@ -147,6 +152,7 @@ class ServerBackend:
             "messages": messages,
             "max_tokens": self.max_tokens,
             "temperature": self.temperature,
+            **UNTRUNCATED,
         }
         if self.enable_thinking is not None:
             body["chat_template_kwargs"] = {"enable_thinking": self.enable_thinking}
@@ -306,8 +312,13 @@ class LocalBackend:
         self.batch_size = batch_size
         self.enable_thinking = enable_thinking
         self.template_kwargs = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
+        # generate() fills what a config leaves unset from the model's generation_config, then from its own
+        # defaults (top_k 50): a blank model config and top_k 0 leave softmax(logits / T) untouched
+        self.model.generation_config = GenerationConfig()
         sampling = (
-            {"do_sample": True, "temperature": temperature} if temperature > 0 else {"do_sample": False}
+            {"do_sample": True, "temperature": temperature, "top_k": 0}
+            if temperature > 0
+            else {"do_sample": False}
         )
         self.generation_config = GenerationConfig(
             max_new_tokens=max_new_tokens,
