@@ -416,17 +416,17 @@ def test_the_gemma3_demo_names_the_packages_it_needs(monkeypatch, tmp_path):
     assert result.exit_code == 2 and "missing.gguf: no such file" in result.output
 
 
-def test_a_base_models_humaneval_is_also_decoded_with_the_completion_stops(tmp_path, monkeypatch):
-    """For a target without a chat template the evals add HumanEval under its completion protocol
-    (stops at the next top-level statement, "humaneval_stops"); the other sets decode without stops."""
+def evals_only(tmp_path, monkeypatch, **changes) -> tuple[dict, list[tuple]]:
+    """The Gemma 3 flow run from its eval stage with `compare_methods` stubbed: (summary, the stop
+    strings of each report in order)."""
     import dataclasses
 
-    from flashdraft.data.humaneval import STOPS
     from flashdraft.demo import real_target
     from flashdraft.eval import report as report_module
     from flashdraft.model import target
 
     scale = dataclasses.replace(real_target.SCALES["gemma3"], temperatures=(0.0,), reference_prompts=0)
+    scale = dataclasses.replace(scale, **changes)
     monkeypatch.setattr(real_target, "gemma3_gguf", lambda: tmp_path / "x.gguf")
     monkeypatch.setattr(real_target, "gguf_to_hf", lambda path, out: out)
     monkeypatch.setattr(target, "load_tokenizer", lambda path: None)
@@ -451,6 +451,45 @@ def test_a_base_models_humaneval_is_also_decoded_with_the_completion_stops(tmp_p
     summary = {"scale": json.loads(json.dumps(dataclasses.asdict(scale))), "stages": stages, "seconds": {},
                "checkpoint": str(tmp_path / "ckpt")}  # fmt: skip
     (tmp_path / "summary.json").write_text(json.dumps(summary))
-    result = real_target.run_real_target(tmp_path, 5.0, scale)
+    return real_target.run_real_target(tmp_path, 5.0, scale), stops
+
+
+def test_a_base_models_humaneval_is_also_decoded_with_the_completion_stops(tmp_path, monkeypatch):
+    """For a target without a chat template the evals add HumanEval under its completion protocol
+    (stops at the next top-level statement, "humaneval_stops"); the other sets decode without stops."""
+    from flashdraft.data.humaneval import STOPS
+
+    result, stops = evals_only(tmp_path, monkeypatch)
     assert list(result["eval"]) == ["humaneval_t0", "humaneval_stops_t0", "held_out_t0"]
     assert stops == [(), STOPS, ()]
+
+
+def test_the_evals_named_are_the_ones_reported_in_their_order(tmp_path, monkeypatch):
+    """`evals` picks the sets and their order (a run short of time reports the first ones); names that
+    are not the target's sets, repeats, or a reference stage without its HumanEval report are refused
+    before any stage runs."""
+    import dataclasses
+
+    from flashdraft.data.humaneval import STOPS
+    from flashdraft.demo import real_target
+
+    result, stops = evals_only(tmp_path, monkeypatch, evals=("humaneval_stops", "held_out"))
+    assert list(result["eval"]) == ["humaneval_stops_t0", "held_out_t0"] and stops == [STOPS, ()]
+    gemma = real_target.SCALES["gemma3"]
+    for evals, reference, message in [
+        (("humaneval_stops",), 0, None),
+        (("held_out", "nope"), 0, "name each once, of"),
+        (("held_out", "held_out"), 0, "name each once, of"),
+        ((), 0, "name each once, of"),
+        (("held_out",), 2, "compares with the humaneval report"),
+    ]:
+        scale = dataclasses.replace(gemma, evals=evals, reference_prompts=reference)
+        if message is None:
+            real_target.check_evals(scale)
+            continue
+        with pytest.raises(ValueError, match=message):
+            real_target.run_real_target(tmp_path / "refused", 1, scale)
+        assert not (tmp_path / "refused").exists()
+    chat = dataclasses.replace(real_target.CPU, evals=("humaneval_stops",))  # a chat model has no stops set
+    with pytest.raises(ValueError, match="of \\['humaneval', 'held_out'\\]"):
+        real_target.check_evals(chat)

@@ -26,7 +26,7 @@ from pathlib import Path
 from experiments.scratch_target.flow import key_value
 from experiments.smollm2.scales import GEMMA3_H200, GEMMA3_SMOKE, H200, SMOKE
 from flashdraft.config import resolve_config
-from flashdraft.demo.real_target import STAGES, run_real_target
+from flashdraft.demo.real_target import STAGES, check_evals, run_real_target
 
 
 def main() -> None:
@@ -57,6 +57,11 @@ def main() -> None:
     )
     ap.add_argument("--humaneval", type=int, help="HumanEval problems in the eval (default: the scale's)")
     ap.add_argument(
+        "--evals",
+        help="the eval's prompt sets, comma-separated, reported in this order (default: humaneval, "
+        "humaneval_stops for a base model, held_out)",
+    )
+    ap.add_argument(
         "--reference-prompts",
         type=int,
         help="HumanEval problems the reference dflash package decodes, 0 for none (default: the scale's)",
@@ -79,6 +84,8 @@ def main() -> None:
     scale = scales[args.target][0 if args.smoke else 1]
     if args.humaneval is not None:
         scale = dataclasses.replace(scale, humaneval=args.humaneval)
+    if args.evals is not None:
+        scale = dataclasses.replace(scale, evals=tuple(args.evals.split(",")))
     if args.reference_prompts is not None:
         scale = dataclasses.replace(scale, reference_prompts=args.reference_prompts)
     if args.prompts is not None:
@@ -89,6 +96,7 @@ def main() -> None:
     try:
         train = dict(key_value("--train", item, "data.rows_per_batch=32") for item in args.train)
         resolve_config(scale.preset, **{**scale.train, **train})  # checked before anything runs
+        check_evals(scale)
     except ValueError as e:
         ap.error(str(e))
     scale = dataclasses.replace(scale, train={**scale.train, **train})

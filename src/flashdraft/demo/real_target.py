@@ -26,8 +26,8 @@ Stages, each written under OUT and skipped when a later run finds its output com
    with the time to save, report and evaluate still left;
 6. eval: `flashdraft eval`'s report (DFlash, n-gram, plain decoding) at T = 0 (and T = 1) on HumanEval
    and on the held-out prompts (for a base model HumanEval also with its completion stops, the set
-   "humaneval_stops"); a report starts only when the budget has time left for the longest one timed so
-   far, else the next run goes on from it;
+   "humaneval_stops"), or the sets the scale's `evals` name, in that order; a report starts only when
+   the budget has time left for the longest one timed so far, else the next run goes on from it;
 7. reference (with `reference_prompts`): the drafter exported to the z-lab layout and decoded by the
    reference `dflash` package on the first HumanEval prompts, next to our tau on each.
 The summary names every stage's seconds, the drafter's steps and training tokens, and every tau.
@@ -86,6 +86,7 @@ class RealScale:
     probe_prompts: int = 16  # held-out prompts (the kinds alternating) the probes decode at T = 0
     probe_tokens: int = 96
     drafter_minutes: float | None = None  # training time over this run and later ones (None: this run's)
+    evals: tuple[str, ...] | None = None  # the eval sets reported, in this order (None: all of EVAL_SETS)
 
 
 STDLIB_SKIP = (
@@ -226,6 +227,30 @@ def _write_lines(path: Path, records: list[dict]) -> Path:
     return path
 
 
+# HumanEval decoded as its completion protocol has it: each decoding ends at the next top-level statement
+# (`flashdraft eval --humaneval-stops`), where the set "humaneval" decodes every prompt's eval_tokens
+STOPPED = "humaneval_stops"
+
+
+def eval_sets(scale: RealScale) -> tuple[str, ...]:
+    """The prompt sets the eval can report on for the scale's target, in the default order."""
+    return ("humaneval", *(() if TARGETS[scale.target].chat else (STOPPED,)), "held_out")
+
+
+def check_evals(scale: RealScale) -> None:
+    """A ValueError unless the scale's `evals` are sets of its target, named once, and include the
+    HumanEval report the reference stage compares with."""
+    if scale.evals is None:
+        return
+    known = eval_sets(scale)
+    unknown = [name for name in scale.evals if name not in known]
+    if unknown or len(set(scale.evals)) != len(scale.evals) or not scale.evals:
+        raise ValueError(f"evals {list(scale.evals)}: name each once, of {list(known)} ({scale.target})")
+    if scale.reference_prompts and "humaneval" not in scale.evals:
+        raise ValueError("the reference stage compares with the humaneval report: add it to the evals, "
+                         "or set the reference prompts to 0")  # fmt: skip
+
+
 def prompt_kinds(scale: RealScale) -> dict[str, tuple[int, str | None]]:
     """The kinds of prompt the scale makes: name -> (count, system message). A base model's: texts it
     writes itself, and code cut from the standard library."""
@@ -341,6 +366,7 @@ def run_real_target(
 
     if stop_after is not None and stop_after not in STAGES:
         raise ValueError(f"stop_after must be one of {STAGES}, not {stop_after!r}")
+    check_evals(scale)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     run = _Progress(out, scale, budget_minutes, console or Console(), stop_after)
@@ -369,7 +395,8 @@ def run_real_target(
     # a base model's HumanEval also as the benchmark's completions
     stopped = {} if TARGETS[scale.target].chat else {STOPPED: humaneval}
     sets = {"humaneval": humaneval, **stopped, "held_out": held}
-    if run.todo("drafter") and _train_drafter(run, tokenizer, target_dir, sets):
+    sets = {name: sets[name] for name in (scale.evals or sets)}  # checked by check_evals
+    if run.todo("drafter") and _train_drafter(run, tokenizer, target_dir, sets, held):
         return run.summary
     if run.todo("eval") and _evaluate(run, target_dir, sets):
         return run.summary
@@ -474,7 +501,9 @@ def _drafter_steps(run: _Progress, plan: dict, eval_s: float) -> int:
     return min(plan["available"], max(10, int(60 * scale.drafter_minutes / plan["step_s"])))
 
 
-def _train_drafter(run: _Progress, tokenizer, target_dir: Path, sets: dict[str, list[dict]]) -> bool:
+def _train_drafter(
+    run: _Progress, tokenizer, target_dir: Path, sets: dict[str, list[dict]], held: list[dict]
+) -> bool:
     """Stage 5: the drafter trained until its planned steps or this run's deadline, whichever first; a run
     that stops short records its progress and the next one resumes the checkpoint."""
     from flashdraft.config import resolve_config
@@ -489,7 +518,6 @@ def _train_drafter(run: _Progress, tokenizer, target_dir: Path, sets: dict[str, 
     eval_s = 0 if evals_later else report_estimate(summary, scale, cycles)
     probe_path = out / "probe_prompts.jsonl"
     if scale.probes:  # held-out prompts, the kinds alternating
-        held = sets["held_out"]
         by_kind = [[r for r in held if r["id"].startswith(f"{k}-")] for k in prompt_kinds(scale)]
         _write_lines(probe_path, [r for group in zip(*by_kind, strict=True) for r in group])
     data_dir = out / "data"
@@ -533,11 +561,6 @@ def _train_drafter(run: _Progress, tokenizer, target_dir: Path, sets: dict[str, 
         run.console.print(f"the drafter goes on from step {result.steps} in the next run (same command)")
         return True
     return run.done("drafter", **drafter)
-
-
-# HumanEval decoded as its completion protocol has it: each decoding ends at the next top-level statement
-# (`flashdraft eval --humaneval-stops`), where the set "humaneval" decodes every prompt's eval_tokens
-STOPPED = "humaneval_stops"
 
 
 def _evaluate(run: _Progress, target_dir: Path, sets: dict[str, list[dict]]) -> bool:
