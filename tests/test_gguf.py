@@ -66,6 +66,30 @@ def test_a_gguf_file_loads_as_the_model_and_tokenizer_it_holds(gguf_target, tiny
     assert tokenizer.eos_token_id == tiny_tokenizer.eos_token_id
 
 
+def test_a_gguf_target_loads_on_one_parse_of_its_file(gguf_target, monkeypatch):
+    """transformers parses the file for the config, the tokenizer and the weights, and the tokenizer
+    checks once more: one parse serves them all (Gemma 3's vocabulary takes seconds a parse), and gguf's
+    reader is itself again after the load, as after a failed one."""
+    import gguf
+
+    parses = []
+
+    class Counted(gguf.GGUFReader):
+        def __init__(self, path, mode="r"):
+            parses.append(str(path))
+            super().__init__(path, mode)
+
+    monkeypatch.setattr(gguf, "GGUFReader", Counted)
+    source, path = gguf_target
+    load_target(path)
+    assert parses == [str(path)] and gguf.GGUFReader is Counted
+    load_target(path)  # a later load parses the file again: it may have changed
+    assert len(parses) == 2
+    with pytest.raises(ValueError, match="layers=99"):
+        load_target(path, layers=99)
+    assert gguf.GGUFReader is Counted
+
+
 def test_an_hf_target_converts_with_the_metadata_tokenizer_and_tensors_llama_cpp_reads(
     tiny_target_dir, tiny_tokenizer, tmp_path
 ):

@@ -351,17 +351,51 @@ def target_source(path_or_id: str | Path) -> tuple[str, dict]:
     return str(path.parent), {"gguf_file": path.name}
 
 
-def load_tokenizer(path_or_id: str | Path):
-    source, kwargs = target_source(path_or_id)
-    tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
-    if "gguf_file" in kwargs:
-        import gguf
+_gguf_readers: dict | None = None  # while a GGUF target loads: its file's parsed metadata, shared
 
-        path = Path(str(path_or_id))
-        fields = gguf.GGUFReader(path).fields
-        _refuse_a_unigram_build(tokenizer, fields, path)
-        _add_specials_as_the_file_says(tokenizer, fields, path)
-    return tokenizer
+
+@contextlib.contextmanager
+def _gguf_parsed_once(path_or_id: str | Path):
+    """While a GGUF target loads, each `gguf.GGUFReader(path)` returns the reader of the first parse.
+
+    transformers parses the whole file again for the config, for the tokenizer and for the weights, and
+    the tokenizer checks below read it once more. gguf's reader builds a view per element of the
+    metadata arrays: for Gemma 3's 262,144-token vocabulary that is about 15 s a parse on one core, four
+    times over. The readers are read-only memory maps, so one serves every caller. Nested loads (the
+    tokenizer inside `load_target`) share the outer one's readers."""
+    global _gguf_readers
+    if Path(str(path_or_id)).suffix != ".gguf" or _gguf_readers is not None:
+        yield
+        return
+    import gguf
+
+    parse, _gguf_readers = gguf.GGUFReader, {}
+
+    def shared(path, mode="r"):
+        key = (str(Path(path).resolve()), mode)
+        if key not in _gguf_readers:
+            _gguf_readers[key] = parse(path, mode)
+        return _gguf_readers[key]
+
+    gguf.GGUFReader = shared
+    try:
+        yield
+    finally:
+        gguf.GGUFReader, _gguf_readers = parse, None
+
+
+def load_tokenizer(path_or_id: str | Path):
+    with _gguf_parsed_once(path_or_id):
+        source, kwargs = target_source(path_or_id)
+        tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
+        if "gguf_file" in kwargs:
+            import gguf
+
+            path = Path(str(path_or_id))
+            fields = gguf.GGUFReader(path).fields
+            _refuse_a_unigram_build(tokenizer, fields, path)
+            _add_specials_as_the_file_says(tokenizer, fields, path)
+        return tokenizer
 
 
 def _refuse_a_unigram_build(tokenizer, fields, path: Path) -> None:
@@ -440,6 +474,11 @@ def load_target(
     checkpoint lacks is an error, as is one the checkpoint has and the model does not use (other than
     the layers left out).
     """
+    with _gguf_parsed_once(path_or_id):
+        return _load_target(path_or_id, device, dtype, attention, layers)
+
+
+def _load_target(path_or_id, device, dtype, attention, layers) -> tuple[PreTrainedModel, object]:
     device = torch.device(device)
     if dtype is None:
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
