@@ -89,6 +89,20 @@ def test_kept_turns_are_distinct_user_turns_and_every_drop_has_its_reason(chatty
     assert summary.samples == len(kept) + len(dropped)
 
 
+def test_turns_are_sampled_as_the_options_say_whatever_the_model_recommends(tiny_target_dir, tmp_path):
+    """A checkpoint's generation_config (a top-k, a repetition penalty) does not reach the sampling: a
+    parrot's turns ("de", "dede", ...) come out the same with a penalty on repeats in its config."""
+    options = SynthesisOptions(count=8, max_tokens=8, batch_size=8, max_samples=16)
+    kept = []
+    for recommended in ({}, {"top_k": 2, "repetition_penalty": 5.0}):
+        model, tok = _biased(tiny_target_dir, **{"de": 8.0, "<|im_end|>": 7.0})
+        model.generation_config.update(**recommended)
+        out = tmp_path / f"{len(kept)}.jsonl"
+        synthesize(model, tok, out, options)
+        kept.append(_lines(out) + _lines(rejected_path_for(out)))
+    assert kept[0] == kept[1] and any("dede" in json.dumps(k) for k in kept[0])
+
+
 def test_a_turn_said_twice_is_kept_once(tiny_target_dir, tmp_path):
     """A parrot: each token is "de" or the end of the turn, about even, so its turns are "de", "dede",
     ... and repeat."""

@@ -39,7 +39,7 @@ from flashdraft.data.formats import (
 from flashdraft.data.progress import progress_bar
 from flashdraft.data.tokenize import has_chat_template, no_template_message
 from flashdraft.model.grouped_attention import use_grouped_attention
-from flashdraft.model.target import default_device, stop_token_ids
+from flashdraft.model.target import clear_generation_defaults, default_device, stop_token_ids
 
 _RETRY_STATUS = {408, 409, 425, 429, 500, 502, 503, 504}
 _MAX_BACKOFF_S = 60.0
@@ -312,9 +312,7 @@ class LocalBackend:
         self.batch_size = batch_size
         self.enable_thinking = enable_thinking
         self.template_kwargs = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
-        # generate() fills what a config leaves unset from the model's generation_config, then from its own
-        # defaults (top_k 50): a blank model config and top_k 0 leave softmax(logits / T) untouched
-        self.model.generation_config = GenerationConfig()
+        clear_generation_defaults(self.model)  # with top_k 0 below: softmax(logits / T) untouched
         sampling = (
             {"do_sample": True, "temperature": temperature, "top_k": 0}
             if temperature > 0

@@ -37,6 +37,7 @@ from pathlib import Path
 import torch
 
 from flashdraft.data.tokenize import has_chat_template
+from flashdraft.model.target import clear_generation_defaults
 
 SENTINEL = "\x00FLASHDRAFT-USER-TURN\x00"
 REASONS = ("no_end", "template_tokens", "empty", "duplicate")
@@ -191,6 +192,7 @@ def synthesize(
     batch = max((b for b, _ in done), default=0)  # the last batch begun; the next one if it is whole
     if done and all((batch, s) in done for s in range(options.batch_size)):
         batch += 1
+    clear_generation_defaults(model)  # the options alone say how turns are sampled
     plain = not has_chat_template(tokenizer)
     if plain and options.system is not None:
         raise ValueError("a system message steers a chat template's user turn; this target has no template")

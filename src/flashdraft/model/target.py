@@ -439,6 +439,16 @@ def _add_specials_as_the_file_says(tokenizer, fields, path: Path) -> None:
             )
 
 
+def clear_generation_defaults(model: PreTrainedModel) -> None:
+    """Give the model a blank generation_config, so that `generate` applies only what its caller passes
+    and transformers' own defaults, top_k 50 among them (pass top_k=0 to sample the whole distribution).
+    A checkpoint's recommended sampling (Qwen3's: top_k 20, top_p 0.95) or repetition penalty would
+    otherwise apply unasked, and a penalty changes even greedy decoding."""
+    from transformers import GenerationConfig
+
+    model.generation_config = GenerationConfig()
+
+
 def default_device(device: str | None = None) -> str:
     """`device` when given, else cuda when a GPU is visible, else cpu: every command's default."""
     return device or ("cuda" if torch.cuda.is_available() else "cpu")
