@@ -427,9 +427,11 @@ def test_local_sampling_is_the_targets_own_distribution_whatever_the_model_recom
     tokenizer = AutoTokenizer.from_pretrained(tiny_target_dir)
     messages = [{"role": "user", "content": "a question"}]
     expected = reference(model, tokenizer, messages, 8).messages
-    model.generation_config.update(top_k=20, top_p=0.5, repetition_penalty=5.0)
+    stops = [tokenizer.eos_token_id]
+    model.generation_config.update(top_k=20, top_p=0.5, repetition_penalty=5.0, eos_token_id=stops)
     greedy_backend = LocalBackend(model, tokenizer, max_new_tokens=8, attention=None)
     assert greedy_backend.regenerate([messages]) == [expected]
+    assert model.generation_config.eos_token_id == stops  # the stop ids stay: a later backend reads them
     forward = model.forward
 
     def flat(*args, **kwargs):  # every token about equally likely, in a strict order (top-k cuts ties)

@@ -439,14 +439,19 @@ def _add_specials_as_the_file_says(tokenizer, fields, path: Path) -> None:
             )
 
 
+_TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id")
+
+
 def clear_generation_defaults(model: PreTrainedModel) -> None:
-    """Give the model a blank generation_config, so that `generate` applies only what its caller passes
-    and transformers' own defaults, top_k 50 among them (pass top_k=0 to sample the whole distribution).
+    """Give the model a generation_config that keeps only its special token ids (where generation
+    stops: `stop_token_ids` reads them), so that `generate` applies only what its caller passes and
+    transformers' own defaults, top_k 50 among them (pass top_k=0 to sample the whole distribution).
     A checkpoint's recommended sampling (Qwen3's: top_k 20, top_p 0.95) or repetition penalty would
     otherwise apply unasked, and a penalty changes even greedy decoding."""
     from transformers import GenerationConfig
 
-    model.generation_config = GenerationConfig()
+    ids = {k: getattr(model.generation_config, k, None) for k in _TOKEN_IDS}
+    model.generation_config = GenerationConfig(**{k: v for k, v in ids.items() if v is not None})
 
 
 def default_device(device: str | None = None) -> str:
