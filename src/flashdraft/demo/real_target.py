@@ -86,7 +86,7 @@ class RealScale:
     probe_prompts: int = 16  # held-out prompts (the kinds alternating) the probes decode at T = 0
     probe_tokens: int = 96
     drafter_minutes: float | None = None  # training time over this run and later ones (None: this run's)
-    evals: tuple[str, ...] | None = None  # the eval sets reported, in this order (None: all of EVAL_SETS)
+    evals: tuple[str, ...] | None = None  # the eval sets reported, in this order (None: all of eval_sets)
 
 
 STDLIB_SKIP = (
