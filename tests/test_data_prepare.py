@@ -78,6 +78,8 @@ def test_every_bad_record_is_reported_counted_and_copied_verbatim(tiny_tokenizer
         reason: 1 for _, reason in BAD_LINES
     }
     assert json.loads((tmp_path / "out" / "stats.json").read_text()) == stats
+    assert list(stats["seconds"]) == ["validate", "tokenize", "keep", "save"]  # where the time went
+    assert all(s >= 0 for s in stats["seconds"].values())
 
 
 def test_shards_hold_the_tokenized_conversations_and_stats_count_them(tiny_tokenizer, mixed_input, tmp_path):

@@ -28,6 +28,7 @@ import json
 import os
 import shutil
 import sys
+import time
 from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
@@ -158,6 +159,7 @@ def _prepare(
     stage = out / STAGE
     shutil.rmtree(stage, ignore_errors=True)
     (stage / "work").mkdir(parents=True)
+    clock = [("start", time.perf_counter())]  # each step's end, for stats' seconds
     try:
         with open(stage / REJECTED, "wb") as rejected_file:
             rejects = Rejects(rejected_file, options.strict, echo)
@@ -165,10 +167,15 @@ def _prepare(
             validated, n_read, digest = _validate(
                 raw_records, rejects, stage / "work" / "validated.arrow", None if chat else tokenizer
             )
+            clock.append(("validate", time.perf_counter()))
             tokenized = _tokenize(validated, tokenizer, options, _cache_key(digest, tokenizer, options))
+            clock.append(("tokenize", time.perf_counter()))
             kept = _keep(validated, tokenized, rejects)
+            clock.append(("keep", time.perf_counter()))
         _save_shards(kept, stage)
+        clock.append(("save", time.perf_counter()))
         stats = _stats(source, tokenizer, options, n_read, tokenized, kept, rejects.counts)
+        stats["seconds"] = {name: round(t - clock[i][1], 2) for i, (name, t) in enumerate(clock[1:])}
         (stage / STATS).write_text(json.dumps(stats, indent=2) + "\n")
     except StrictStop:
         os.replace(stage / REJECTED, out / STOPPED)

@@ -484,8 +484,9 @@ def _prepare_data(run: _Progress, tokenizer) -> bool:
     out, data_dir = run.out, run.out / "data"
     options = PrepareOptions(1024, num_proc=run.scale.prepare_procs, cache_dir=out / "cache", overwrite=True)
     stats = prepare_dataset(str(out / "conversations.jsonl"), tokenizer, data_dir, options)
+    seconds = ", ".join(f"{name} {s:.1f} s" for name, s in stats["seconds"].items())
     run.console.print(
-        f"data: {stats['kept']} conversations, {stats['loss_tokens']} loss tokens -> {data_dir}"
+        f"data: {stats['kept']} conversations, {stats['loss_tokens']} loss tokens -> {data_dir} ({seconds})"
     )
     return run.done("prepare", conversations=stats["kept"], loss_tokens=stats["loss_tokens"])
 
