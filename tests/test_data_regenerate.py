@@ -450,6 +450,45 @@ def test_local_sampling_is_the_targets_own_distribution_whatever_the_model_recom
     assert len(answers) > 100
 
 
+@pytest.mark.parametrize("window", [64, 16])
+def test_a_static_cache_decodes_sliding_layers_as_full_ones_while_the_window_holds_every_position(
+    tiny_tokenizer, window
+):
+    """Prompts padded to 32 tokens and 6 new ones fit a window of 64: the static cache is flashdraft's,
+    all full layers (transformers' sliding layer counts in a Python int, and CUDA graphs record a new
+    graph for each value), kept between batches of one shape; the answers are the dynamic cache's. A
+    window of 16 binds: transformers builds its own cache, sliding layers and all."""
+    from families import family_config
+
+    tok = tiny_tokenizer
+    config = family_config("gemma3_text", len(tok), tok.eos_token_id, tok.pad_token_id or 0)
+    config.sliding_window = window
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    model.set_attn_implementation("sdpa")
+    conversations = [
+        [{"role": "user", "content": "hello there"}],
+        [{"role": "user", "content": "a question"}],
+    ]
+    expected = LocalBackend(model, tok, max_new_tokens=6, batch_size=2).regenerate(conversations)
+    seen, forward = [], model.forward
+
+    def spy(*args, **kwargs):  # the cache each forward decodes on
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        seen.append((id(cache), {type(layer).__name__ for layer in cache.layers}))
+        return forward(*args, **kwargs)
+
+    model.forward = spy
+    static = LocalBackend(model, tok, max_new_tokens=6, batch_size=2, cache="static")
+    assert static.regenerate(conversations) == expected
+    assert static.regenerate(conversations[::-1]) == expected[::-1]
+    layers = set().union(*(kinds for _, kinds in seen))
+    if window == 64:
+        assert layers == {"StaticLayer"} and len({cache for cache, _ in seen}) == 1
+    else:
+        assert "StaticSlidingWindowLayer" in layers
+
+
 def test_local_backend_rejects_an_unknown_cache(tiny_target):
     with pytest.raises(ValueError, match="cache must be one of"):
         LocalBackend(*tiny_target, max_new_tokens=4, cache="paged")

@@ -15,6 +15,7 @@ kill is dropped and redone), and writes every failure with its reason to FILE.fa
 from __future__ import annotations
 
 import copy
+import inspect
 import json
 import os
 import random
@@ -325,6 +326,7 @@ class LocalBackend:
             cache_implementation="static" if cache == "static" else None,
             **sampling,
         )
+        self._own_cache: tuple[tuple[int, int], object] | None = None  # (rows, length), its StaticCache
 
     @classmethod
     def load(
@@ -439,12 +441,52 @@ class LocalBackend:
         import torch
 
         enc = {k: torch.from_numpy(v).to(self.model.device) for k, v in encoded.items()}
+        config, cache = self.generation_config, {}
+        if self.cache == "static":
+            own = self._windowless_cache(*enc["input_ids"].shape)
+            if own is not None:  # passed in, where transformers would build its own
+                config = copy.copy(config)
+                config.cache_implementation = None
+                name = (
+                    "cache"
+                    if "cache" in inspect.signature(self.model.forward).parameters
+                    else "past_key_values"
+                )
+                cache = {name: own}
         with torch.no_grad():
-            out = self.model.generate(**enc, generation_config=self.generation_config)
+            out = self.model.generate(**enc, generation_config=config, **cache)
         new_ids = out[:rows, enc["input_ids"].shape[1] :].tolist()
         return list(
             zip(self._decode(new_ids), [not self.stop_ids.intersection(i) for i in new_ids], strict=True)
         )
+
+    def _windowless_cache(self, rows: int, prompt: int):
+        """A static cache of full-attention layers for a batch of `rows` prompts of `prompt` tokens, when the
+        model has sliding-window layers whose windows all hold the prompt and its answer; else None.
+
+        transformers' static sliding layer counts its tokens in a Python int, which the compiled decoding
+        step takes as an input. Under CUDA graphs (transformers compiles that step in reduce-overhead mode)
+        each new value of an input int records a new graph: a Gemma 3 target recorded one at every step.
+        A window that never binds changes nothing a full layer would not do, and a full layer counts in a
+        tensor: one graph, replayed. The cache is kept for the next batch of the same shape, reset, as
+        transformers keeps its own, so that the graph's addresses stay."""
+        from transformers import StaticCache
+
+        config = self.model.config.get_text_config(decoder=True)
+        types = getattr(config, "layer_types", None) or []
+        window = getattr(config, "sliding_window", None)
+        length = prompt + self.generation_config.max_new_tokens
+        if "sliding_attention" not in types or set(types) - {"sliding_attention", "full_attention"}:
+            return None
+        if not window or length > window:
+            return None
+        if self._own_cache is not None and self._own_cache[0] == (rows, length):
+            self._own_cache[1].reset()
+            return self._own_cache[1]
+        config = copy.deepcopy(config)
+        config.layer_types = ["full_attention"] * len(types)
+        self._own_cache = ((rows, length), StaticCache(config=config, max_cache_len=length))
+        return self._own_cache[1]
 
     def _decode(self, new_ids: list[list[int]]) -> list[str]:
         """The stop token and the padding after it are special, not text. A tokenizers backend decodes
