@@ -15,7 +15,6 @@ kill is dropped and redone), and writes every failure with its reason to FILE.fa
 from __future__ import annotations
 
 import copy
-import inspect
 import json
 import os
 import random
@@ -40,7 +39,12 @@ from flashdraft.data.formats import (
 from flashdraft.data.progress import progress_bar
 from flashdraft.data.tokenize import has_chat_template, no_template_message
 from flashdraft.model.grouped_attention import use_grouped_attention
-from flashdraft.model.target import clear_generation_defaults, default_device, stop_token_ids
+from flashdraft.model.target import (
+    cache_argument,
+    clear_generation_defaults,
+    default_device,
+    stop_token_ids,
+)
 
 _RETRY_STATUS = {408, 409, 425, 429, 500, 502, 503, 504}
 _MAX_BACKOFF_S = 60.0
@@ -445,14 +449,8 @@ class LocalBackend:
         if self.cache == "static":
             own = self._windowless_cache(*enc["input_ids"].shape)
             if own is not None:  # passed in, where transformers would build its own
-                config = copy.copy(config)
+                config, cache = copy.copy(config), {cache_argument(self.model): own}
                 config.cache_implementation = None
-                name = (
-                    "cache"
-                    if "cache" in inspect.signature(self.model.forward).parameters
-                    else "past_key_values"
-                )
-                cache = {name: own}
         with torch.no_grad():
             out = self.model.generate(**enc, generation_config=config, **cache)
         new_ids = out[:rows, enc["input_ids"].shape[1] :].tolist()

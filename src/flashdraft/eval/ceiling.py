@@ -20,12 +20,11 @@ speculative ones (lossless), gives cycles of the same law as the proposer's.
 
 from __future__ import annotations
 
-import inspect
-
 import torch
 from transformers import PreTrainedModel
 
 from flashdraft.eval.spec import Generation, new_cache
+from flashdraft.model.target import cache_argument
 
 
 class TargetGreedyProposer:
@@ -39,9 +38,7 @@ class TargetGreedyProposer:
     def __init__(self, model: PreTrainedModel):
         self.model = model
         self.cache = new_cache(model)
-        # transformers 5.24 renamed the forward's KV-cache argument (past_key_values -> cache)
-        forward = inspect.signature(model.forward).parameters
-        self._cache_arg = "cache" if "cache" in forward else "past_key_values"
+        self._cache_arg = cache_argument(model)
 
     def _forward(self, token_ids: torch.Tensor, start: int) -> torch.Tensor:
         """Run tokens [1, n] at positions start..start+n-1 on the cache; the last position's logits [V]."""

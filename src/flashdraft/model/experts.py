@@ -80,8 +80,10 @@ def set_target_experts(model: nn.Module, name: str) -> None:
         if parallel or model.config.get_text_config()._experts_implementation != "grouped_mm":
             return
         name = NAME
-    if name == NAME and parallel:
-        raise ValueError(f"train.target_experts {NAME!r}: the target's experts are expert-parallel; use auto")
     if name == NAME:
+        if parallel:
+            raise ValueError(
+                f"train.target_experts {NAME!r}: the target's experts are expert-parallel; use auto"
+            )
         register()
     model.set_experts_implementation(name)

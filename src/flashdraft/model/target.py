@@ -66,6 +66,12 @@ def decoder_layers(model: PreTrainedModel) -> tuple[nn.Module, str, nn.ModuleLis
     return decoder, *found[0]
 
 
+def cache_argument(model: PreTrainedModel) -> str:
+    """The name of the model forward's KV-cache argument: transformers 5.24 renamed past_key_values to
+    cache (in `generate`'s keyword arguments too)."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
 def layer_kinds(config) -> list[str]:
     """The attention kind of every layer of text config `config`: its `layer_types`, or for a config
     without them (Mistral, Phi-3), sliding_attention in every layer where it sets a sliding window."""
@@ -119,9 +125,7 @@ class Target:
         self.model = model
         self.config = model.config.get_text_config()  # of the layers loaded, in the attention they run
         self.whole_config = (config or model.config).get_text_config()
-        # transformers 5.24 renamed the forward's KV-cache argument (past_key_values -> cache)
-        forward = inspect.signature(model.forward).parameters
-        self._cache_arg = "cache" if "cache" in forward else "past_key_values"
+        self._cache_arg = cache_argument(model)
         self.decoder, _, self._layers = decoder_layers(model)
         self.num_layers = self.whole_config.num_hidden_layers
         if not layer_ids or max(layer_ids) >= self.num_layers or min(layer_ids) < EMBEDDINGS:
