@@ -37,6 +37,14 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 NAME = "varlen"  # no "flash" in it: transformers would look for a flash kernel package
+
+
+class Unsupported(NotImplementedError):
+    """What torch's kernel cannot compute (softcapping, sinks, dropout, non-causal attention) or a torch
+    without the kernel: a refusal, not unfinished work. `train.target_attention: auto` then refuses the
+    candidate and names why; an explicit `varlen` stops with this message."""
+
+
 _documents: tuple[torch.Tensor, int] | None = None  # (cumulative lengths, longest) of the running forward
 
 
@@ -107,12 +115,12 @@ def varlen_attention(
         )  # fmt: skip
     for name in ("softcap", "s_aux", "sinks"):
         if kwargs.get(name) is not None:
-            raise NotImplementedError(f"varlen attention has no {name}")
+            raise Unsupported(f"varlen attention has no {name}")
     if dropout or kwargs.get("is_causal") is False:
-        raise NotImplementedError("varlen attention is causal and without dropout")
+        raise Unsupported("varlen attention is causal and without dropout")
     kernel = _kernel()
     if kernel is None:
-        raise NotImplementedError(f"torch {torch.__version__} has no torch.nn.attention.varlen")
+        raise Unsupported(f"torch {torch.__version__} has no torch.nn.attention.varlen")
     cu, longest = _documents
     batch, heads, length, dim = query.shape
     kv_heads = key.shape[1]
