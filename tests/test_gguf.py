@@ -483,7 +483,7 @@ def test_a_base_models_humaneval_is_also_decoded_with_the_completion_stops(tmp_p
     (stops at the next top-level statement, "humaneval_stops"); the other sets decode without stops."""
     from flashdraft.data.humaneval import STOPS
 
-    result, stops = evals_only(tmp_path, monkeypatch)
+    result, stops = evals_only(tmp_path, monkeypatch, evals=None)  # every set, in the default order
     assert list(result["eval"]) == ["humaneval_t0", "humaneval_stops_t0", "held_out_t0"]
     assert stops == [(), STOPS, ()]
 
