@@ -2,7 +2,8 @@
 gguf.GGUFReader (names, metadata and tensors as llama.cpp build 11434's converter writes them); and, with
 a built llama-server (skipped without one): an HF target converted for it (flashdraft.export.gguf_target)
 decodes, tokenizes and samples as transformers does, and `flashdraft engine-check` serves the drafter,
-at T = 0 and above, beside a `flashdraft eval` report's tau."""
+at T = 0 and above, beside a `flashdraft eval` report's tau, accepting what our eval accepts for trained
+DFlash and DFlash2 drafters."""
 
 import json
 
@@ -357,3 +358,93 @@ def test_a_target_whose_llama_cpp_graph_cannot_feed_a_drafter_is_refused_before_
             served_files / "no-server", gemma, served_files / "drafter.gguf", [[1]], 4, None, served_files
         )
     check_dflash_target(served_files / "target.gguf")  # a Llama target is served
+
+
+PROMPTS = ["add two numbers", "open a file", "sort a list", "read a csv", "print hello", "merge dicts"]
+
+
+@pytest.fixture(scope="module")
+def trained_drafters(tmp_path_factory, tiny_tokenizer):
+    """A tiny Qwen3 target (HF directory) with heads of 64, six prompts, and two drafter checkpoints: DFlash
+    trained on the target's greedy continuations of the prompts, and DFlash2 made from it with its
+    convolutions and selector moved off that start, so that its drafts differ. (With heads of 16,
+    llama.cpp's CPU flash attention drafted otherwise than ours past about 64 positions; -fa off agreed.)"""
+    from flashdraft.demo.tiny import build_tiny_target, save_target
+    from flashdraft.eval.spec import chat_messages, encode_prompt
+    from flashdraft.model.dflash2 import DFlash2Settings
+    from flashdraft.model.drafter import DFlashDrafter, drafter_config
+    from flashdraft.model.target import Target
+    from flashdraft.train.build import dflash2_from_dflash, init_drafter_
+    from test_eval_spec import train_on_continuations
+
+    root = tmp_path_factory.mktemp("served_pair")
+    tok = tiny_tokenizer
+    torch.manual_seed(0)
+    model = build_tiny_target(tok, hidden=128, heads=2, kv_heads=1).eval()
+    with torch.no_grad():
+        model.lm_head.weight.normal_(0.0, 0.5)  # peaked logits: continuations a drafter can learn
+    save_target(model, tok, root / "target")
+    (root / "prompts.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
+    mask = tok.convert_tokens_to_ids("<|mask|>")
+    dflash = DFlashDrafter(drafter_config(model.config, 2, None, 2, BLOCK, mask))
+    init_drafter_(dflash, std=0.1, seed=0)
+    prompts = [encode_prompt(tok, chat_messages({"prompt": p})) for p in PROMPTS]
+    train_on_continuations(dflash, Target(model, dflash.target_layer_ids), prompts)
+    settings = DFlash2Settings(conv_kernel_size=2, conv_group_size=16, selector_rank=6, selector_top_k=4,
+                               output_multiplier=1.0, final_logit_softcapping=None)  # fmt: skip
+    dflash2 = dflash2_from_dflash(dflash, settings, std=0.02, seed=0)
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for name, p in dflash2.named_parameters():
+            if "_conv." in name or name.startswith("candidate_selector."):
+                p.add_(torch.randn(p.shape, generator=g) * (0.2 if "selector" in name else 0.01))
+    for name, drafter in (("dflash", dflash), ("dflash2", dflash2)):
+        (root / name).mkdir()
+        write_zlab(drafter.eval(), root / name)
+    return root
+
+
+def test_llama_server_accepts_the_drafts_our_eval_accepts_for_dflash_and_dflash2(
+    llama_server, trained_drafters
+):
+    """Our eval's tau per prompt and llama-server's for the exported GGUF (f32) are the same, for DFlash and
+    for DFlash2, whose selector walks its own path through each position's candidates (llama.cpp reads it
+    from the file): where DFlash2 drafts differently from DFlash, the engine follows DFlash2."""
+    from typer.testing import CliRunner
+
+    from flashdraft.cli.main import app
+    from flashdraft.export.gguf_target import served_target
+
+    root, tau = trained_drafters, {}
+    served = served_target(root / "target", root)  # the target as llama-server's f32 GGUF
+    prompts = ["--prompts", str(root / "prompts.jsonl"), "--max-new-tokens", "96"]
+    for kind in ("dflash", "dflash2"):
+        ours = root / f"{kind}.eval.json"
+        args = ["eval", "--target", str(root / "target"), "--drafter", str(root / kind), *prompts]
+        result = CliRunner().invoke(app, [*args, "--device", "cpu", "--out", str(ours)])
+        assert result.exit_code == 0, result.output
+        drafter = export_checkpoint(root / kind, "gguf", root / f"{kind}.gguf", str(served), gguf_type="f32")
+        engine = root / f"{kind}.engine" / "report.json"
+        args = [
+            "engine-check",
+            "--target",
+            str(served),
+            "--drafter",
+            str(drafter),
+            *prompts,
+            "--threads",
+            "1",
+        ]
+        args += ["--draft-max", str(BLOCK - 1), "--compare", str(ours), "--out", str(engine)]
+        result = CliRunner().invoke(app, args)
+        assert result.exit_code == 0, result.output
+        report = json.loads(engine.read_text())
+        assert report["identical_to_plain"] == len(PROMPTS)
+        tau[kind] = [(round(r["ours"], 2), round(r["engine"], 2)) for r in report["compare"]["per_prompt"]]
+        # equal but where a near-tie rounds otherwise in a verify of 8 tokens and in one-token forwards
+        assert sum(o == e for o, e in tau[kind]) >= len(PROMPTS) - 2, tau[kind]
+        assert report["compare"]["engine_vs_ours"] == pytest.approx(0, abs=0.03)
+    departs = [
+        i for i, (d1, d2) in enumerate(zip(tau["dflash"], tau["dflash2"], strict=True)) if d1[0] != d2[0]
+    ]
+    assert departs and any(tau["dflash2"][i][1] == tau["dflash2"][i][0] for i in departs), tau
