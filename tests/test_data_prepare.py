@@ -159,6 +159,27 @@ def test_parallel_tokenization_matches_one_process(tiny_tokenizer, tmp_path):
     assert len(list((tmp_path / "two").rglob("tokenized-*_of_00002.arrow"))) == 2  # two processes ran
 
 
+def test_forked_tokenization_workers_take_the_tokenizer_without_serializing_it(
+    tiny_tokenizer, tmp_path, monkeypatch
+):
+    """A large tokenizer (Gemma 3's, 28 MB pickled) serialized into each worker's work made 8 processes
+    6 times slower than one; forked workers inherit it instead."""
+    serialized = []
+    cls = type(tiny_tokenizer)
+    original = cls.__reduce_ex__
+
+    def counting(self, protocol):
+        serialized.append(protocol)
+        return original(self, protocol)
+
+    monkeypatch.setattr(cls, "__reduce_ex__", counting)
+    path = tmp_path / "in.jsonl"
+    path.write_text("\n".join(json.dumps(chat(i)) for i in range(600)) + "\n")
+    stats, _ = run_prepare(tiny_tokenizer, path, tmp_path / "two", num_proc=2)
+    assert stats["kept"] == 600 and len(list((tmp_path / "two").rglob("tokenized-*_of_00002.arrow"))) == 2
+    assert serialized == []
+
+
 def test_preparing_the_same_data_again_reuses_the_tokenization_cache(tiny_tokenizer, tmp_path, monkeypatch):
     path = tmp_path / "in.jsonl"
     path.write_text("\n".join(json.dumps(chat(i)) for i in range(5)) + "\n")

@@ -60,8 +60,6 @@ SMOKE = RealScale(
 # Gemma 3 270M: prompts it writes from <bos> and code cut from the standard library, continued at T = 0
 # and T = 1; HumanEval as completions. Its 262,144-wide vocabulary makes a loss row 1.7 times SmolLM2's.
 # CUDA graphs decode a sliding-window target while its 512-token window holds every position: HumanEval's
-# first 64 prompts (282 tokens at most) and 192 new tokens fit, its first 96 (338) do not. Its plain-text
-# records tokenize in one process: 8 took 80.8 s for 40,379 of them on the H200's host, where one process
-# here takes 10.9 s for 32,000 (2 processes 19.3 s, 8 processes 34.6 s).
-GEMMA3_H200 = dataclasses.replace(H200, target="gemma3", prompt_tokens=96, humaneval=64, prepare_procs=1)
+# first 64 prompts (282 tokens at most) and 192 new tokens fit, its first 96 (338) do not.
+GEMMA3_H200 = dataclasses.replace(H200, target="gemma3", prompt_tokens=96, humaneval=64)
 GEMMA3_SMOKE = dataclasses.replace(SMOKE, target="gemma3")
