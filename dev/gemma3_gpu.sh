@@ -11,8 +11,9 @@
 #                                   /root/keep/gproof/target /root/keep/gproof/prompts.code.jsonl --batch 64
 #   call 6..:                     bash dev/gemma3_gpu.sh run [proof options, e.g. --minutes 9.3]
 # `run` joins the chunks once (hash checked), then continues the proof in /root/keep/gproof where it
-# stopped; logs, the summary, the evals and the drafter's weights (15 MiB parts) come back in $OUT, and,
-# once, after the regenerate stage, the prompts and answers (gproofdata.tgz.part-*, `pack`). Copied into
+# stopped; logs, the summary, the evals and (with SEND_DRAFTER=1) the drafter's weights (15 MiB parts) come
+# back in $OUT, and, once, after the regenerate stage, the prompts and answers (gproofdata.tgz.part-*,
+# `pack`). Copied into
 # .gemma0/ they travel with call 0, and a later proof on a fresh machine starts from them (dev/packed.py
 # seeds it), skipping the prompts and regenerate stages (about 4 minutes of the H200).
 set -uo pipefail
@@ -52,7 +53,10 @@ case "${1:-}" in
         | split -b 15M -d - "${OUT:-/tmp}/gproofdata.tgz.part-" && touch /root/keep/gproofdata.sent
     fi
     ckpt=$(python3 -c "import json; print(json.load(open('$PROOF/summary.json')).get('checkpoint', ''))" 2>/dev/null)
-    if [ -n "$ckpt" ] && [ -d "$ckpt" ] && [ "$(cat /root/keep/gdrafter.sent 2>/dev/null)" != "$ckpt" ]; then
+    # the drafter's weights only when asked (SEND_DRAFTER=1): a DFlash2 drafter for this vocabulary is 153M
+    # parameters, whose archive took a minute of the call and came back in part
+    if [ -n "${SEND_DRAFTER:-}" ] && [ -n "$ckpt" ] && [ -d "$ckpt" ] \
+        && [ "$(cat /root/keep/gdrafter.sent 2>/dev/null)" != "$ckpt" ]; then
       tar czf - -C "$(dirname "$ckpt")" --exclude trainer_state.pt --exclude compile_cache.bin "$(basename "$ckpt")" \
         | split -b 15M -d - "${OUT:-/tmp}/gdrafter.tgz.part-" && echo "$ckpt" > /root/keep/gdrafter.sent
     fi
