@@ -27,18 +27,24 @@ SETTINGS = DFlash2Settings(
 )
 
 
-@pytest.fixture(scope="module")
-def setup():
-    """The trained tiny DFlash drafter made DFlash2 (drafting as it), then its convolutions and selector
-    moved off that start, so that the selector's path differs from the logits' argmax somewhere."""
-    s = tiny_setup()
-    drafter = dflash2_from_dflash(s.trained, SETTINGS, std=0.02, seed=0)
+def moved_off_dflash(trained, settings: DFlash2Settings = SETTINGS):
+    """A trained DFlash drafter made DFlash2 (drafting as it), then its convolutions and selector moved off
+    that start, so that the selector's path differs from the logits' argmax somewhere."""
+    drafter = dflash2_from_dflash(trained, settings, std=0.02, seed=0)
     g = torch.Generator().manual_seed(3)
     with torch.no_grad():
         for name, p in drafter.named_parameters():
             if "_conv." in name or name.startswith("candidate_selector."):
                 p.add_(torch.randn(p.shape, generator=g) * (0.2 if "selector" in name else 0.01))
-    s.dflash2 = drafter.eval()
+    return drafter.eval()
+
+
+@pytest.fixture(scope="module")
+def setup():
+    """The trained tiny DFlash drafter made DFlash2 and moved off that start (`moved_off_dflash`)."""
+    s = tiny_setup()
+    drafter = moved_off_dflash(s.trained)
+    s.dflash2 = drafter
     s.target = Target(s.model, drafter.target_layer_ids)
     return s
 

@@ -374,7 +374,8 @@ def trained_drafters(tmp_path_factory, tiny_tokenizer):
     from flashdraft.model.dflash2 import DFlash2Settings
     from flashdraft.model.drafter import DFlashDrafter, drafter_config
     from flashdraft.model.target import Target
-    from flashdraft.train.build import dflash2_from_dflash, init_drafter_
+    from flashdraft.train.build import init_drafter_
+    from test_dflash2_decode import moved_off_dflash
     from test_eval_spec import train_on_continuations
 
     root = tmp_path_factory.mktemp("served_pair")
@@ -392,12 +393,7 @@ def trained_drafters(tmp_path_factory, tiny_tokenizer):
     train_on_continuations(dflash, Target(model, dflash.target_layer_ids), prompts)
     settings = DFlash2Settings(conv_kernel_size=2, conv_group_size=16, selector_rank=6, selector_top_k=4,
                                output_multiplier=1.0, final_logit_softcapping=None)  # fmt: skip
-    dflash2 = dflash2_from_dflash(dflash, settings, std=0.02, seed=0)
-    g = torch.Generator().manual_seed(3)
-    with torch.no_grad():
-        for name, p in dflash2.named_parameters():
-            if "_conv." in name or name.startswith("candidate_selector."):
-                p.add_(torch.randn(p.shape, generator=g) * (0.2 if "selector" in name else 0.01))
+    dflash2 = moved_off_dflash(dflash, settings)
     for name, drafter in (("dflash", dflash), ("dflash2", dflash2)):
         (root / name).mkdir()
         write_zlab(drafter.eval(), root / name)

@@ -303,7 +303,7 @@ def _tokenize(validated, tokenizer, options: PrepareOptions, key: str):
 
 
 def _tokenize_batch(batch: dict, options: PrepareOptions, tokenizer_key: str, tokenizer=None) -> dict:
-    tokenizer = tokenizer or _TOKENIZERS[tokenizer_key]
+    tokenizer = _TOKENIZERS[tokenizer_key] if tokenizer is None else tokenizer
     keys = ("input_ids", "loss_mask", "length", "id", "reject", "error", "truncated")
     out: dict[str, list] = {k: [] for k in keys}
     rows = zip(batch["id"], batch["messages"], batch["enable_thinking"], batch["kind"], strict=True)
