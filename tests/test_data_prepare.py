@@ -220,6 +220,22 @@ def test_cli_prepare_writes_shards_and_reports(tokenizer_dir, mixed_input, tmp_p
     assert len(load_token_dataset(out)) == 3
 
 
+def test_prepare_names_the_first_bad_records_and_counts_the_rest(tiny_tokenizer, tmp_path):
+    """A dataset of thousands of bad records: 20 named, one line for the rest, every one counted and kept
+    in rejected.jsonl."""
+    from flashdraft.data.prepare import SHOWN_REJECTS
+
+    path = tmp_path / "in.jsonl"
+    path.write_text("\n".join(["{not json"] * 500 + [json.dumps(chat(0))]) + "\n")
+    lines = []
+    stats = prepare_dataset(str(path), tiny_tokenizer, tmp_path / "out", PrepareOptions(), lines.append)
+    assert stats["rejected"] == 500 and stats["kept"] == 1
+    assert len((tmp_path / "out" / "rejected.jsonl").read_text().splitlines()) == 500
+    assert len(lines) == SHOWN_REJECTS + 1 == 21
+    assert lines[SHOWN_REJECTS - 1].startswith(f"{path}:{SHOWN_REJECTS}: ")
+    assert f"{path}:{SHOWN_REJECTS + 1}" in lines[-1] and "not named" in lines[-1]
+
+
 def test_cli_prepare_strict_exits_with_status_2(tokenizer_dir, mixed_input, tmp_path):
     path, _ = mixed_input
     args = [

@@ -5,7 +5,8 @@ Chat records are rendered with the target's chat template; plain-text records ({
 form is read how).
 
 Two passes. The first streams the source once, in this process: each record is validated (formats.py);
-a bad one is reported as `FILE:LINE: reason: message`, copied verbatim to DIR/rejected.jsonl and counted,
+a bad one is copied verbatim to DIR/rejected.jsonl and counted, the first ones also reported as
+`FILE:LINE: reason: message`,
 and a good one is appended to an Arrow file. The second tokenizes that file with `datasets.map` over
 `num_proc` processes (tokenize.py); records the chat template cannot render or that leave no loss token are
 rejected the same way. The map's result is cached under a key of the validated records, the tokenizer,
@@ -90,8 +91,12 @@ class StrictStop(RuntimeError):
     """--strict met a bad record; the message is its FILE:LINE: reason line."""
 
 
+SHOWN_REJECTS = 20  # bad records named one by one; a messy dataset's thousands would bury the summary
+
+
 class Rejects:
-    """Bad records: verbatim to DIR/rejected.jsonl, one line each through `echo`, counted by reason."""
+    """Bad records: verbatim to DIR/rejected.jsonl, counted by reason, and the first SHOWN_REJECTS named
+    through `echo`, one line each; then one line says that the rest are counted, not named."""
 
     def __init__(self, file: BinaryIO, strict: bool, echo: Callable[[str], None]):
         self.file = file
@@ -104,7 +109,14 @@ class Rejects:
         self.file.flush()
         self.counts[error.reason] += 1
         line = f"{where}: {error.reason}: {error}"
-        self.echo(line)
+        seen = self.counts.total()
+        if seen <= SHOWN_REJECTS:
+            self.echo(line)
+        elif seen == SHOWN_REJECTS + 1:
+            self.echo(
+                f"more bad records from {where} on: not named here; rejected.jsonl holds each of them and the "
+                "summary counts them by reason"
+            )
         if self.strict:
             raise StrictStop(line)
 
@@ -118,7 +130,8 @@ def prepare_dataset(
 ) -> dict:
     """Validate, tokenize and write DIR/shards, DIR/rejected.jsonl and DIR/stats.json; returns the stats.
 
-    `echo` receives one `FILE:LINE: reason: message` line per bad record (default: stderr). Raises
+    `echo` receives a `FILE:LINE: reason: message` line for each of the first SHOWN_REJECTS bad records
+    (default: stderr), then one line saying the rest are counted. Raises
     StrictStop at the first bad record with `options.strict`, SourceError when the source cannot be read,
     ValueError when the tokenizer cannot make loss masks (no chat template, no offsets).
     """
