@@ -114,8 +114,8 @@ class Rejects:
             self.echo(line)
         elif seen == SHOWN_REJECTS + 1:
             self.echo(
-                f"more bad records from {where} on: not named here; rejected.jsonl holds each of them and the "
-                "summary counts them by reason"
+                f"more bad records from {where} on: not named here; rejected.jsonl holds each of them and "
+                "the summary counts them by reason"
             )
         if self.strict:
             raise StrictStop(line)
