@@ -92,9 +92,9 @@ SHAPES: dict[str, dict] = {
                          rope_parameters={"rope_type": "default", "rope_theta": 100000.0}),
     # Gemma 3 270M, the base model of the Gemma 3 proof: every sixth layer full attention, the rest a
     # 512-token sliding window; one key/value head of 256; a 262,144-token vocabulary; tied embeddings
-    "gemma3-270m": dict(model_type="gemma3_text", hidden_size=640, intermediate_size=2048, num_hidden_layers=18,
-                        num_attention_heads=4, num_key_value_heads=1, head_dim=256, vocab_size=262144,
-                        query_pre_attn_scalar=256, sliding_window=512, rms_norm_eps=1e-6,
+    "gemma3-270m": dict(model_type="gemma3_text", hidden_size=640, intermediate_size=2048,
+                        num_hidden_layers=18, num_attention_heads=4, num_key_value_heads=1, head_dim=256,
+                        vocab_size=262144, query_pre_attn_scalar=256, sliding_window=512, rms_norm_eps=1e-6,
                         layer_types=(["sliding_attention"] * 5 + ["full_attention"]) * 3,
                         max_position_embeddings=32768, tie_word_embeddings=True,
                         rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e6},

@@ -407,8 +407,8 @@ def demo(
 def bench(
     shape: str = typer.Option(
         "qwen3-8b",
-        help="target shape: tiny, proof-95m, smollm2-135m, gemma3-270m, qwen3-0.6b, qwen3-4b, qwen3-8b, qwen3-30b-a3b "
-        "(MoE), llama3-8b, gpt-oss-20b (MoE), qwen3-32b, llama3-70b, qwen3-235b-a22b (MoE)",
+        help="target shape: tiny, proof-95m, smollm2-135m, gemma3-270m, qwen3-0.6b, qwen3-4b, qwen3-8b, "
+        "qwen3-30b-a3b (MoE), llama3-8b, gpt-oss-20b (MoE), qwen3-32b, llama3-70b, qwen3-235b-a22b (MoE)",
     ),
     seq_len: int = typer.Option(3072, help="tokens per packed row"),
     anchors: int = typer.Option(512, help="anchors per row"),
