@@ -97,8 +97,9 @@ def _direct(selector, hidden, head, labels, weights, gold: str):
 
 
 @pytest.mark.parametrize("gold", ["inject", "skip"])
-def test_the_selector_term_is_a_position_by_position_computation_of_it(gold):
-    hidden, head, labels, weights = _blocks()
+@pytest.mark.parametrize("vocab", [13, 8192])  # 8,192: the top-k by blocks (32 of 256)
+def test_the_selector_term_is_a_position_by_position_computation_of_it(gold, vocab):
+    hidden, head, labels, weights = _blocks(vocab=vocab)
     selector = _selector(head.shape[0], hidden.shape[-1], seed=0)
     objective = SelectorObjective(0.3, gold=gold, stop_gradient=False)
     hidden.requires_grad_()
@@ -122,10 +123,30 @@ def test_the_selector_term_is_a_position_by_position_computation_of_it(gold):
     assert (mine["selector_correct"], mine["selector_accepted"]) == (correct, accepted)
     positions = float((weights > 0).sum())
     assert 0 < recalled < positions and 0 < correct < recalled  # the data has each kind of position
-    assert 1 < accepted - out.blocks < out.accepted - out.blocks  # a run of several, not the argmax's
+    if vocab == 13:  # a run of several, not the argmax's (the wider vocabulary's labels are rarely hits)
+        assert 1 < accepted - out.blocks < out.accepted - out.blocks
     assert float(out.per_block.sum()) == accepted  # validation walks the selector's path, as decoding does
     if gold == "skip":
         assert weight_sum < weights.sum()
+
+
+@pytest.mark.parametrize("width", [262144, 151936, 8192, 8191])  # blocks of 256, 128, 256; torch.topk
+def test_the_top_k_by_blocks_is_torchs_top_k(width):
+    """The same values, sorted, as torch.topk; indices that hold them, each once. Rows of few distinct
+    values (many ties, as bf16 logits have), and rows whose top-k all lie in one block."""
+    from flashdraft.train.loss import top_k_by_blocks
+
+    g = torch.Generator().manual_seed(width)
+    x = torch.randint(-40, 40, (6, width), generator=g).bfloat16()
+    x[3] = torch.randn(width, generator=g).bfloat16()
+    x[4, 512:528] = 100 + torch.arange(16.0)  # the whole top-k in one block
+    x[5, -16:] = 100 - torch.arange(16.0)  # in the last block
+    top = top_k_by_blocks(x, 16)
+    expected = x.topk(16)
+    assert torch.equal(top.values, expected.values)
+    assert torch.equal(x.gather(-1, top.indices), top.values)
+    assert all(len(set(row.tolist())) == 16 for row in top.indices)
+    assert torch.equal(top.indices[4].sort().values, torch.arange(512, 528))
 
 
 class _Ops(torch.utils._python_dispatch.TorchDispatchMode):
