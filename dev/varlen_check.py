@@ -1,10 +1,10 @@
 """Checks, on a GPU, two things about torch's variable-length flash kernel that flashdraft's varlen target
 attention (src/flashdraft/model/varlen_attention.py) would use if they hold on the installed torch:
 
-1. grouped heads: torch 2.11's `varlen_attn` has no `enable_gqa`, so the attention repeats the key/value
-   heads first (0.22 ms a layer on qwen3-30b-a3b). Its custom op calls aten's flash kernel, which may take
-   fewer key/value heads as they are. Compared: the output with unrepeated heads against the repeated
-   heads' (forward and gradients), and the time of each.
+1. grouped heads: torch 2.11's `varlen_attn` has no `enable_gqa`. Its custom op calls aten's flash kernel,
+   which may take fewer key/value heads as they are. Compared: the output with unrepeated heads against
+   the repeated heads' (forward and gradients), and the time of each. On an H200 (2026-12-05): equal
+   outputs, gradients within 0.0005, 0.395 against 0.574 ms; the attention passes them unrepeated.
 2. inside a compiled graph: the attention now runs outside torch.compile (a graph break a layer). Counted:
    the graph breaks and recompiles of a compiled call over batches cut into different documents, with
    the cumulative lengths marked dynamic and the longest document fixed at the row's length.

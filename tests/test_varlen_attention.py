@@ -4,6 +4,7 @@ the semantics torch documents (documents cut at cumulative lengths, causal, a wi
 before the query); what is tested is that each family's packed rows reach it cut, scaled, grouped and
 windowed so that the features equal sdpa's, and that decoding with a cache stays on sdpa."""
 
+import functools
 import inspect
 
 import pytest
@@ -18,13 +19,16 @@ from flashdraft.train import target_attention as ta
 VOCAB = 96
 
 
-def reference_kernel(gqa: bool = True, shift_window: int = 0):
-    """torch's varlen_attn as documented, in plain torch; `gqa` False: a torch whose kernel has no
-    enable_gqa (the heads come repeated); `shift_window`: a wrong window, for the guard's test."""
+def reference_kernel(gqa: bool = True, shift_window: int = 0, heads: list | None = None):
+    """torch's varlen_attn as documented, in plain torch; `gqa` False: torch 2.11's kernel, which has no
+    enable_gqa and takes grouped heads unasked; `shift_window`: a wrong window, for the guard's test;
+    `heads`: gets the query and key/value head counts of each call."""
 
     def kernel(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1), enable_gqa=False):
         assert torch.equal(cu_q, cu_k) and cu_q.dtype == torch.int32
         assert max_q == max_k == int(cu_q.diff().max())
+        if heads is not None:
+            heads.append((q.shape[1], k.shape[1]))
         if k.shape[1] != q.shape[1]:
             assert enable_gqa, "grouped heads without enable_gqa"
             k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
@@ -46,7 +50,10 @@ def reference_kernel(gqa: bool = True, shift_window: int = 0):
     if not gqa:
 
         def plain(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1)):
-            return kernel(q, k, v, cu_q, cu_k, max_q, max_k, scale=scale, window_size=window_size)
+            grouped = k.shape[1] != q.shape[1]
+            return kernel(
+                q, k, v, cu_q, cu_k, max_q, max_k, scale=scale, window_size=window_size, enable_gqa=grouped
+            )
 
         return plain
     return kernel
@@ -77,12 +84,16 @@ def test_cumulative_lengths_cut_at_every_document_row_and_padding_token():
 PACKED_BY_POSITIONS = [f for f, (_, _, packing) in FAMILIES.items() if packing == "positions"]
 
 
-@pytest.mark.parametrize("gqa", [True, False], ids=["enable_gqa", "repeated_heads"])
+@pytest.mark.parametrize("gqa", [True, False], ids=["enable_gqa", "torch_2_11"])
 @pytest.mark.parametrize("family", PACKED_BY_POSITIONS)
 def test_packed_features_equal_sdpas(family, gqa, monkeypatch):
-    """Documents longer than the families' window (families.WINDOW, 8), so a wrong window shows."""
-    monkeypatch.setattr(va, "_kernel", lambda: reference_kernel(gqa))
+    """Documents longer than the families' window (families.WINDOW, 8), so a wrong window shows. Grouped
+    key/value heads reach the kernel unrepeated."""
+    heads = []
+    monkeypatch.setattr(va, "_kernel", lambda: reference_kernel(gqa, heads=heads))
     target = target_of(family)
+    text = target.model.config.get_text_config()
+    kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
     ids, positions = packed()
     want = target.features(ids, positions)
     target.model.set_attn_implementation(va.NAME)
@@ -90,6 +101,7 @@ def test_packed_features_equal_sdpas(family, gqa, monkeypatch):
     assert not target.leaks("positions")
     # rows of one document (no position ids) as well
     torch.testing.assert_close(target.features(ids), _with(target, "sdpa", lambda: target.features(ids)))
+    assert heads and all(kv == kv_heads for _, kv in heads)
 
 
 def _with(target: Target, attention: str, forward):
@@ -165,7 +177,13 @@ def test_compiled_target_layers_take_batches_of_other_documents_without_compilin
 
     calls = []
     kernel = reference_kernel()
-    monkeypatch.setattr(va, "_kernel", lambda: lambda *a, **k: calls.append(a[3].tolist()) or kernel(*a, **k))
+
+    @functools.wraps(kernel)  # with the kernel's signature: it takes enable_gqa
+    def counted(*args, **kwargs):
+        calls.append(args[3].tolist())
+        return kernel(*args, **kwargs)
+
+    monkeypatch.setattr(va, "_kernel", lambda: counted)
     target = target_of("qwen3")
     target.model.set_attn_implementation(va.NAME)
     for layer in decoder_layers(target.model)[2]:

@@ -128,11 +128,12 @@ def varlen_attention(
     k = key.transpose(1, 2).reshape(batch * length, kv_heads, dim)
     v = value.transpose(1, 2).reshape(batch * length, kv_heads, value.shape[-1])
     options = {"scale": scaling}
-    if kv_heads != heads:
-        if _takes(kernel, "enable_gqa"):
-            options["enable_gqa"] = True
-        else:  # query head h reads key/value head h // groups, as transformers' repeat_kv lays them out
-            k, v = (t.repeat_interleave(heads // kv_heads, dim=1) for t in (k, v))
+    # Grouped heads go in as they are: query head h reads key/value head h // groups, as transformers'
+    # repeat_kv lays them out. A torch with `enable_gqa` asks for the flag; torch 2.11's kernel has none
+    # and takes them unasked (dev/varlen_check.py on an H200: the output equal to that of heads repeated
+    # first, 0.395 against 0.574 ms for 4 rows of 3,072 tokens, 32 query and 4 key/value heads).
+    if kv_heads != heads and _takes(kernel, "enable_gqa"):
+        options["enable_gqa"] = True
     options["window_size"] = (-1 if sliding_window is None else sliding_window - 1, 0)
     out = kernel(q, k, v, cu, cu, longest, longest, **options)
     return out.reshape(batch, length, heads, out.shape[-1]), None
