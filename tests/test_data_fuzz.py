@@ -11,6 +11,7 @@ import sys
 
 import pytest
 
+from flashdraft.data import prepare as prepare_module
 from flashdraft.data.formats import REASONS
 from flashdraft.data.prepare import PrepareOptions, prepare_dataset
 
@@ -68,8 +69,9 @@ def _record(rng: random.Random, i: int) -> tuple[bytes, str | None]:
 @pytest.mark.parametrize("seed", [0, 1])
 @pytest.mark.parametrize("packaging", ["plain", "gzip", "bom"])
 def test_every_record_of_a_hostile_mix_is_kept_or_rejected_for_its_reason(
-    tiny_tokenizer, tmp_path, seed, packaging
+    tiny_tokenizer, tmp_path, seed, packaging, monkeypatch
 ):
+    monkeypatch.setattr(prepare_module, "SHOWN_REJECTS", 1000)  # every bad record named, to check its reason
     rng = random.Random(seed)
     lines, expected, first_dup = [], {}, True
     for i in range(40):
