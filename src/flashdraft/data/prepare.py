@@ -4,13 +4,13 @@ Chat records are rendered with the target's chat template; plain-text records ({
 "completion"}, {"text"}) are tokenized as text where the target has no template (formats.py says which
 form is read how).
 
-Two passes. The first streams the source once, in this process: each record is validated (formats.py);
-a bad one is copied verbatim to DIR/rejected.jsonl and counted, the first ones also reported as
-`FILE:LINE: reason: message`,
-and a good one is appended to an Arrow file. The second tokenizes that file with `datasets.map` over
-`num_proc` processes (tokenize.py); records the chat template cannot render or that leave no loss token are
-rejected the same way. The map's result is cached under a key of the validated records, the tokenizer,
-the options and the tokenizer code, so preparing the same data again costs one validation pass. The kept
+Two passes. The first streams the source once, in this process: each record is validated (formats.py).
+A bad one is copied verbatim to DIR/rejected.jsonl and counted, the first ones also reported as
+`FILE:LINE: reason: message`; a good one is appended to an Arrow file. The second tokenizes that file
+with `datasets.map` over `num_proc` processes (tokenize.py); records the chat template cannot render or
+that leave no loss token are rejected the same way. The map's result is cached under a key of the
+validated records, the tokenizer, the options and the tokenizer code, so preparing the same data again
+costs one validation pass. The kept
 documents are written as DIR/shards (`datasets.save_to_disk`, read back by `packing.load_token_dataset`)
 with columns id, input_ids, loss_mask and length (so packing never reads every token list for lengths).
 
