@@ -10,9 +10,9 @@ A bad one is copied verbatim to DIR/rejected.jsonl and counted, the first ones a
 with `datasets.map` over `num_proc` processes (tokenize.py); records the chat template cannot render or
 that leave no loss token are rejected the same way. The map's result is cached under a key of the
 validated records, the tokenizer, the options and the tokenizer code, so preparing the same data again
-costs one validation pass. The kept
-documents are written as DIR/shards (`datasets.save_to_disk`, read back by `packing.load_token_dataset`)
-with columns id, input_ids, loss_mask and length (so packing never reads every token list for lengths).
+costs one validation pass. The kept documents are written as DIR/shards (`datasets.save_to_disk`, read
+back by `packing.load_token_dataset`) with columns id, input_ids, loss_mask and length (so packing never
+reads every token list for lengths).
 
 Nothing a run has written is lost to a later one: every output is written into DIR/.prepare-new and
 swapped in only when all of it is complete (shards, then rejected.jsonl, then stats.json), so a source
