@@ -8,7 +8,13 @@ from typer.testing import CliRunner
 import flashdraft.data.prepare as prepare_module
 from flashdraft.cli.data import data_app
 from flashdraft.data.packing import load_token_dataset
-from flashdraft.data.prepare import PrepareOptions, StrictStop, prepare_dataset, prepare_records
+from flashdraft.data.prepare import (
+    SHOWN_REJECTS,
+    PrepareOptions,
+    StrictStop,
+    prepare_dataset,
+    prepare_records,
+)
 from flashdraft.data.tokenize import tokenize_conversation
 
 
@@ -223,8 +229,6 @@ def test_cli_prepare_writes_shards_and_reports(tokenizer_dir, mixed_input, tmp_p
 def test_prepare_names_the_first_bad_records_and_counts_the_rest(tiny_tokenizer, tmp_path):
     """A dataset of thousands of bad records: 20 named, one line for the rest, every one counted and kept
     in rejected.jsonl."""
-    from flashdraft.data.prepare import SHOWN_REJECTS
-
     path = tmp_path / "in.jsonl"
     path.write_text("\n".join(["{not json"] * 500 + [json.dumps(chat(0))]) + "\n")
     lines = []
