@@ -13,9 +13,8 @@
 # `run` joins the chunks once (hash checked), then continues the proof in /root/keep/gproof where it
 # stopped; logs, the summary, the evals and (with SEND_DRAFTER=1) the drafter's weights (15 MiB parts) come
 # back in $OUT, and, once, after the regenerate stage, the prompts and answers (gproofdata.tgz.part-*,
-# `pack`). Copied into
-# .gemma0/ they travel with call 0, and a later proof on a fresh machine starts from them (dev/packed.py
-# seeds it), skipping the prompts and regenerate stages (about 4 minutes of the H200).
+# `pack`). Copied into .gemma0/ they travel with call 0, and a later proof on a fresh machine starts from
+# them (dev/packed.py seeds it), skipping the prompts and regenerate stages (about 4 minutes of the H200).
 set -uo pipefail
 started=${CALL_STARTED:-$(date +%s)}
 cd "$(dirname "$0")/.."
