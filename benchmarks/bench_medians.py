@@ -16,10 +16,15 @@ short by --budget-s goes on where it stopped.
 the configurations, into OUT/peer-NAME.K.json; its row in the table has no target forward. The options
 after -- that peer_step.py shares with the bench (--steps, --warmup, the shape's) reach it too, before
 its own. For example `--peer dflash:--architecture,dflash -- --steps 20`.
+
+--source NAME:DIR (repeatable) runs configuration NAME on the flashdraft package under DIR instead of the
+installed one: two revisions side by side on one machine, for example the previous commit's
+(`git archive REV src | tar -x -C base`, then `--config base:ARGS --config head:ARGS --source base:base/src`).
 """
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -50,7 +55,9 @@ def shared_with_peer(common: list[str]) -> list[str]:
     return out
 
 
-def run_once(name: str, args: list[str], k: int, out: Path, common: list[str], peer: bool = False) -> None:
+def run_once(
+    name: str, args: list[str], k: int, out: Path, common: list[str], peer: bool = False, source: str = ""
+) -> None:
     path = out / f"{name}.{k}.json"
     if path.is_file():
         return
@@ -58,7 +65,11 @@ def run_once(name: str, args: list[str], k: int, out: Path, common: list[str], p
         cmd = [sys.executable, str(PEER), *shared_with_peer(common), *args, "--json", str(path)]
     else:
         cmd = [sys.executable, "-m", "flashdraft.cli.main", "bench", *args, *common, "--json", str(path)]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    env = os.environ.copy()
+    if source:  # this package first on the path
+        paths = (str(Path(source).resolve()), env.get("PYTHONPATH"))
+        env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     path.with_suffix(".log").write_text(proc.stdout + proc.stderr)
     if proc.returncode != 0:
         last = (proc.stderr.strip().splitlines() or [f"exit {proc.returncode}"])[-1]
@@ -104,11 +115,16 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--config", action="append", required=True, help="NAME:ARG,ARG,...")
     ap.add_argument("--peer", action="append", default=[], help="NAME:ARG,ARG,... for peer_step.py")
+    ap.add_argument("--source", action="append", default=[], help="NAME:DIR, a package to run NAME on")
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--budget-s", type=float, help="start no run after this many seconds")
     args, common = ap.parse_known_args()
     common = [c for c in common if c != "--"]
     configs = named_args(args.config, "--config", ap.error)
+    sources = dict(item.partition(":")[::2] for item in args.source)
+    for name, src in sources.items():
+        if name not in configs or not (Path(src) / "flashdraft").is_dir():
+            ap.error(f"--source {name}:{src}: NAME must be a --config and DIR must hold a flashdraft package")
     peers = {f"peer-{name}": a for name, a in named_args(args.peer, "--peer", ap.error).items()}
     runs = [(name, a, False) for name, a in configs.items()] + [(name, a, True) for name, a in peers.items()]
     args.out.mkdir(parents=True, exist_ok=True)
@@ -117,7 +133,7 @@ def main() -> None:
         for name, run_args, peer in runs:
             if args.budget_s is not None and time.monotonic() - started > args.budget_s:
                 break
-            run_once(name, run_args, k, args.out, common, peer)
+            run_once(name, run_args, k, args.out, common, peer, sources.get(name, "") if not peer else "")
     print("\n".join(table(args.out, [name for name, _, _ in runs])))
 
 

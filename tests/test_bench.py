@@ -2,6 +2,7 @@
 
 import gzip
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -253,7 +254,7 @@ def test_bench_medians_runs_the_peer_each_round_and_tabulates_it_without_a_targe
 
     calls = []
 
-    def fake_run(cmd, capture_output, text):
+    def fake_run(cmd, capture_output, text, env):
         calls.append(cmd)
         peer = cmd[1].endswith("peer_step.py")
         step = 200.0 if peer else 400.0
@@ -280,3 +281,31 @@ def test_bench_medians_runs_the_peer_each_round_and_tabulates_it_without_a_targe
     lines = capsys.readouterr().out.strip().splitlines()
     assert lines[2] == "| ours | 2 | 400.0 | 15,360 | 70.0% | 60.0% | 80.0 | sdpa |"
     assert lines[3] == "| peer-spec | 2 | 200.0 | 30,720 | 45.0% |  | 80.0 | none (peer drafter alone) |"
+
+
+def test_bench_medians_runs_a_configuration_on_the_package_its_source_names(tmp_path, monkeypatch):
+    """--source NAME:DIR puts DIR first on the path of NAME's runs only (an earlier revision beside this
+    one); a DIR without a flashdraft package is refused before anything runs."""
+    from benchmarks import bench_medians
+
+    base = tmp_path / "base" / "src"
+    (base / "flashdraft").mkdir(parents=True)
+    paths = {}
+
+    def fake_run(cmd, capture_output, text, env):
+        name = Path(cmd[cmd.index("--json") + 1]).name
+        paths[name] = env.get("PYTHONPATH", "").split(os.pathsep)[0]
+        r = {"step_ms": 400.0, "ctx_tok_s": 1.0, "mfu": 0.7, "peak_mem_gib": 1.0, "settings": {}}
+        Path(cmd[cmd.index("--json") + 1]).write_text(json.dumps(r))
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+
+    monkeypatch.setattr(bench_medians.subprocess, "run", fake_run)
+    argv = ["bench_medians.py", "--out", str(tmp_path / "out"), "--runs", "1", "--config", "base:--steps,2",
+            "--config", "head:--steps,2", "--source", f"base:{base}"]  # fmt: skip
+    monkeypatch.setattr(sys, "argv", argv)
+    bench_medians.main()
+    assert paths["base.1.json"] == str(base.resolve()) and paths["head.1.json"] != str(base.resolve())
+
+    monkeypatch.setattr(sys, "argv", [*argv[:-1], f"base:{tmp_path}"])
+    with pytest.raises(SystemExit):
+        bench_medians.main()
