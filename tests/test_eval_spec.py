@@ -2,6 +2,7 @@
 eval_tau is cheap and safe to call from training, and `flashdraft eval` writes its report."""
 
 import json
+import re
 from functools import lru_cache
 from types import SimpleNamespace
 
@@ -448,7 +449,31 @@ def test_eval_cli_rejects_a_bad_prompt_record(tmp_path, tiny_target_dir, tiny_dr
     args = _eval_args(tiny_target_dir, tiny_drafter_dir, prompts)
     result = CliRunner().invoke(_cli(), [*args, "--out", str(tmp_path / "r.json")])
     assert result.exit_code == 2
-    assert "prompts.jsonl:2" in result.output and "messages" in result.output
+    assert "prompts.jsonl:2" in result.output and "not a prompt" in result.output
+
+
+@pytest.mark.parametrize(
+    "record, says",
+    [
+        ({"messages": ["hi"]}, "turn 0 is a str"),
+        ({"messages": [{"role": "user"}]}, "content is NoneType"),
+        ({"messages": [{"role": "user", "content": 7}]}, "content is int"),
+        ({"messages": [{"role": "assistant", "content": "x"}]}, "opens with an assistant turn"),
+        ({"prompt": 5}, "`prompt` is int"),
+        ({"prompt": " "}, "empty `prompt`"),
+        ([1, 2], "expected a JSON object"),
+    ],
+)
+def test_a_prompt_record_is_checked_as_training_data_is(tmp_path, record, says):
+    """Prompts are read by the training data's rules: a bad record is an error naming its line and what
+    is wrong, never a traceback from the chat template."""
+    path = tmp_path / "prompts.jsonl"
+    path.write_text(json.dumps({"prompt": "ok"}) + "\n" + json.dumps(record) + "\n")
+    with pytest.raises(ValueError, match=f"prompts.jsonl:2: .*{re.escape(says)}"):
+        read_prompts(path)
+    sharegpt = {"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "yo"}]}
+    path.write_text(json.dumps(sharegpt) + "\n")
+    assert read_prompts(path) == [[{"role": "user", "content": "hi"}]]
 
 
 def test_eval_cli_takes_stop_strings_and_humaneval_stops(tmp_path, tiny_target_dir, tiny_drafter_dir):

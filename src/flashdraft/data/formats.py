@@ -278,7 +278,11 @@ def parse_record(record: RawRecord, require_answers: bool = True) -> Conversatio
         raise ConversationError(
             "too_large", f"{record.oversize} bytes, over the record size limit (max_record_bytes); not read"
         )
-    obj = _decode(record.raw)
+    return parse_object(_decode(record.raw), record, require_answers)
+
+
+def parse_object(obj: object, record: RawRecord, require_answers: bool = True) -> Conversation:
+    """`parse_record` of a record already decoded from JSON; `record` names where it came from."""
     if not isinstance(obj, dict):
         raise ConversationError("bad_structure", f"expected a JSON object, got {type(obj).__name__}")
     if "messages" not in obj and "conversations" not in obj and ("prompt" in obj or "text" in obj):

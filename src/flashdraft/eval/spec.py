@@ -28,7 +28,6 @@ transformers' `generate` has no hook for a drafter fed by target hidden states, 
 from __future__ import annotations
 
 import copy
-import json
 import math
 import time
 from collections.abc import Sequence
@@ -39,6 +38,7 @@ from typing import Protocol
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
+from flashdraft.data.formats import TEXT, Conversation, RawRecord, parse_object, parse_record
 from flashdraft.data.tokenize import has_chat_template, prompt_ids
 from flashdraft.eval.ngram import NgramProposer
 from flashdraft.eval.static import (
@@ -406,31 +406,35 @@ def generate(
 
 
 def chat_messages(record: dict) -> list[dict]:
-    """The conversation to continue: `messages` less a trailing assistant turn, or `prompt` as a user turn."""
-    if isinstance(record.get("messages"), list) and record["messages"]:
-        messages = list(record["messages"])
-        if messages[-1].get("role") == "assistant":
-            messages.pop()
-        if not messages:
-            raise ValueError("`messages` holds nothing but an assistant turn")
-        return messages
-    if isinstance(record.get("prompt"), str):
-        return [{"role": "user", "content": record["prompt"]}]
-    raise ValueError(
-        f"a prompt record needs `messages` (a list) or `prompt` (a string); got keys {sorted(record)}"
-    )
+    """The conversation to continue: a record read as training data is (flashdraft.data.formats: roles,
+    content, ShareGPT's form), less a trailing assistant turn; a {"prompt"} record is one user turn. A
+    ValueError says what is wrong with it."""
+    return _to_continue(parse_object(record, RawRecord("a prompt", 0, b""), require_answers=False))
+
+
+def _to_continue(conversation: Conversation) -> list[dict]:
+    if conversation.kind == TEXT:
+        raise ValueError('a {"text"} record is text to train on, not a prompt: use {"prompt": TEXT}')
+    messages = list(conversation.messages)
+    if messages[-1]["role"] == "assistant":
+        messages.pop()
+    if not messages:
+        raise ValueError("the conversation holds nothing but an assistant turn")
+    return messages
 
 
 def read_prompts(path: str | Path, limit: int | None = None) -> list[list[dict]]:
-    """Conversations from a JSONL file of {"messages": [...]} or {"prompt": "..."} records."""
+    """Conversations (`chat_messages`) from a JSONL file of {"messages": [...]} or {"prompt": "..."}
+    records; a ValueError names the line of the first one that is wrong and says why."""
     conversations = []
-    for n, line in enumerate(Path(path).read_text().splitlines(), start=1):
+    for n, line in enumerate(Path(path).read_bytes().splitlines(), start=1):
         if not line.strip():
             continue
+        record = RawRecord(str(path), n, line)
         try:
-            conversations.append(chat_messages(json.loads(line)))
-        except (json.JSONDecodeError, ValueError, AttributeError) as e:
-            raise ValueError(f"{path}:{n}: {e}") from None
+            conversations.append(_to_continue(parse_record(record, require_answers=False)))
+        except ValueError as e:
+            raise ValueError(f"{record.where}: {e}") from None
         if limit is not None and len(conversations) >= limit:
             break
     if not conversations:
