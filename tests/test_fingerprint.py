@@ -112,7 +112,7 @@ def fabricated_old(current: dict, tmp_path: Path) -> dict:
     old["libraries"]["torch"] = "2.0.0"
     old["compile_cache"]["size_bytes"] += 1
     old["created"] = "2000-01-01T00:00:00+00:00"
-    old["throughput"] = {"ctx_tok_s": 12345.0}
+    old["throughput"] = {"ctx_tok_s": 12345.0, "loss": 0.3903, "step": 1072}
     return old
 
 
@@ -188,7 +188,7 @@ def test_doctor_run_shows_ranked_changes_of_the_latest_checkpoint_and_its_throug
     assert "compile_cache.size_bytes" in out, out
     assert out.index("model_code.hash") < out.index("packages.typer") < out.index("compile_cache.size_bytes")
     assert "0.0.1" in out and current["packages"]["typer"] in out
-    assert "ctx_tok_s 12,345" in out
+    assert "ctx_tok_s 12,345; loss 0.39; step 1,072" in out
 
 
 def test_doctor_run_falls_back_to_the_run_fingerprint(current, tmp_path, monkeypatch):
