@@ -198,6 +198,12 @@ def test_a_runs_own_config_yaml_runs_it_again(tmp_path, tiny_target_dir, tiny_to
     a, b = weights(first), weights(second)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
+    # --resume RUN alone continues it as it was configured (its preset, seed, target and data)
+    more = CliRunner().invoke(app, ["train", "--resume", str(first), "--max-steps", "5"])
+    assert more.exit_code == 0, more.output
+    assert (first / "checkpoints" / "LATEST").read_text().strip() == "step_000005"
+    assert yaml.safe_load((first / "config.yaml").read_text())["seed"] == 7
+
 
 def test_init_from_starts_from_the_source_drafter_and_refuses_one_that_does_not_fit(
     tmp_path, tiny_target_dir, tiny_tokenizer

@@ -72,7 +72,9 @@ def train(
     ),
     nproc: int | None = typer.Option(None, help="launch N processes on this machine (torch's launcher)"),
     resume: str | None = typer.Option(
-        None, help="continue a run from its LATEST checkpoint: its directory, or its s3:// mirror"
+        None,
+        help="continue a run from its LATEST checkpoint: its directory (configured by its own "
+        "RUN/config.yaml unless --config is given), or its s3:// mirror",
     ),
     s3: str | None = typer.Option(None, help="mirror checkpoints and logs to s3://bucket/prefix"),
     keep_last: int | None = typer.Option(None, help="keep only the newest K checkpoints"),
@@ -153,6 +155,8 @@ def train(
             out = out or Path(resume)
             if out != Path(resume):
                 _fail(f"--resume {resume} and --out {out} name different runs")
+            if config is None and (out / "config.yaml").is_file():
+                config = out / "config.yaml"  # the run as it was configured, not the preset's defaults
         if out is None and "out" not in _yaml_run(config):
             _fail("--out is required (or --resume RUN, or a --config with run.out)")
         try:
