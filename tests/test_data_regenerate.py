@@ -24,6 +24,7 @@ from flashdraft.data.regenerate import (
     chat_completions_url,
     failed_path_for,
     regenerate_file,
+    settings_path_for,
 )
 from flashdraft.model.grouped_attention import NAMES
 
@@ -286,6 +287,30 @@ def test_limit_stops_early_and_the_next_run_continues(fake_server, tmp_path):
     assert_complete(out, want)
 
 
+def test_an_output_holds_answers_of_one_setting_and_a_rerun_with_another_is_refused(fake_server, tmp_path):
+    """OUT.settings.json records what the answers depend on when the first record is written; a rerun
+    that changes the model, the temperature, the token limit or the thinking mode is refused, naming
+    it, before any record is added; the recorded settings continue the file."""
+    write_input(tmp_path / "in.jsonl", 6)
+    server, out, source = fake_server(), tmp_path / "out.jsonl", str(tmp_path / "in.jsonl")
+    regenerate_file(backend(server), source, out, limit=2, progress=False)
+    recorded = json.loads(settings_path_for(out).read_text())
+    assert recorded == {"model": "target", "temperature": 0.0, "max_tokens": 16, "enable_thinking": None,
+                        "plain_text": False}  # fmt: skip
+    changes = [
+        ({"max_tokens": 32}, "max_tokens 16 -> 32"),
+        ({"temperature": 1.0}, "temperature 0.0 -> 1.0"),
+        ({"enable_thinking": False}, "enable_thinking None -> False"),
+    ]
+    for change, says in changes:
+        with pytest.raises(ValueError, match=f"other settings .*{says}"):
+            regenerate_file(backend(server, **change), source, out, progress=False)
+    with pytest.raises(ValueError, match="model 'target' -> 'another'"):
+        regenerate_file(ServerBackend(server.url, "another", 16), source, out, progress=False)
+    assert len(read_jsonl(out)) == 2  # nothing added
+    assert regenerate_file(backend(server), source, out, progress=False).regenerated == 4
+
+
 def test_killed_cli_run_resumes_without_gaps_or_duplicates(fake_server, tmp_path):
     server = fake_server(fail_once_every=5, delay=0.05)
     # 30 records fit in one 8 KiB write buffer: only a flush per record puts lines in the file before the end.
@@ -504,6 +529,13 @@ def test_cli_local_backend_regenerates_a_file(tiny_target_dir, tmp_path):
     assert sorted(r["id"] for r in rows + failures) == ["r0", "r1", "r2"]
     assert result.exit_code == (1 if failures else 0), result.output
     assert all(r["truncated_turns"] >= 0 and r["messages"][0]["content"].startswith("q") for r in rows)
+    # the same target named by another path continues the file; another token limit is refused
+    relative = os.path.relpath(tiny_target_dir)
+    again = CliRunner().invoke(data_app, [*args[:2], relative, *args[3:]])
+    assert again.exit_code == (1 if failures else 0), again.output
+    args[args.index("--max-tokens") + 1] = "8"
+    refused = CliRunner().invoke(data_app, args)
+    assert refused.exit_code == 2 and "max_tokens 4 -> 8" in refused.output
 
 
 def test_local_backend_decodes_a_batch_as_its_tokenizer_does(tiny_target):

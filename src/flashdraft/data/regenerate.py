@@ -15,6 +15,7 @@ kill is dropped and redone), and writes every failure with its reason to FILE.fa
 from __future__ import annotations
 
 import copy
+import hashlib
 import json
 import os
 import random
@@ -115,6 +116,14 @@ class ServerBackend:
         self.timeout = timeout
         self.retries = retries
         self.backoff = backoff
+
+    @property
+    def answer_settings(self) -> dict:
+        """What the answers depend on: `regenerate_file` keeps one output file to one of these."""
+        return {
+            "model": self.model,
+            **_sampling(self.temperature, self.max_tokens, self.enable_thinking, self.plain),
+        }
 
     def regenerate_each(self, conversations: Iterable[Conversation]) -> Iterator[Outcome]:
         import httpx
@@ -331,6 +340,20 @@ class LocalBackend:
             **sampling,
         )
         self._own_cache: tuple[tuple[int, int], object] | None = None  # (rows, length), its StaticCache
+        self.target_name = self.model.config._name_or_path  # `load` gives the target as the user named it
+
+    @property
+    def answer_settings(self) -> dict:
+        """What the answers depend on: `regenerate_file` keeps one output file to one of these."""
+        g = self.generation_config
+        template = self.tokenizer.chat_template or ""
+        return {
+            "model": self.target_name,
+            "chat_template_sha256": hashlib.sha256(template.encode()).hexdigest() if template else None,
+            **_sampling(
+                g.temperature if g.do_sample else 0.0, g.max_new_tokens, self.enable_thinking, self.plain
+            ),
+        }
 
     @classmethod
     def load(
@@ -347,7 +370,9 @@ class LocalBackend:
         device = default_device(device)
         source, load_kwargs = target_source(target)
         model = AutoModelForCausalLM.from_pretrained(source, dtype="auto", **load_kwargs).to(device)
-        return cls(model, tokenizer, **kwargs)
+        backend = cls(model, tokenizer, **kwargs)
+        backend.target_name = str(Path(target).resolve()) if Path(target).exists() else target
+        return backend
 
     def regenerate(self, conversations: list[list[dict]]) -> list[list[dict]]:
         """Every conversation with each assistant turn rewritten by the model (turn by turn)."""
@@ -533,6 +558,41 @@ def failed_path_for(out_path: str | Path) -> Path:
     return Path(str(out_path) + ".failed.jsonl")
 
 
+def settings_path_for(out_path: str | Path) -> Path:
+    return Path(str(out_path) + ".settings.json")
+
+
+def _sampling(temperature: float, max_tokens: int, thinking: bool | None, plain: bool) -> dict:
+    return {
+        "temperature": temperature,
+        "max_tokens": max_tokens,
+        "enable_thinking": thinking,
+        "plain_text": plain,
+    }
+
+
+def check_settings(out: Path, settings: dict, has_records: bool) -> None:
+    """One output file holds answers of one setting (`answer_settings`: the target, its chat template,
+    sampling, the token limit, the thinking mode), recorded in OUT.settings.json. A rerun that would add
+    answers of another setting to records already there is refused, naming what differs: those records
+    would otherwise count as done, whatever they were written with. An output with records but no
+    settings file (written before the file was kept) is taken as it is, and the file written."""
+    path = settings_path_for(out)
+    if has_records and path.exists():
+        recorded = json.loads(path.read_text())
+        changed = {k: (recorded.get(k), v) for k, v in settings.items() if recorded.get(k) != v}
+        if changed:
+            details = "; ".join(f"{k} {old!r} -> {new!r}" for k, (old, new) in changed.items())
+            raise ValueError(
+                f"{out} holds answers written with other settings ({path}): {details}. Rerun with the "
+                "recorded settings to continue it, or write to another --out"
+            )
+        return
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(settings, indent=1) + "\n")
+    os.replace(tmp, path)
+
+
 def regenerate_file(
     backend,
     input_path: str,
@@ -552,6 +612,7 @@ def regenerate_file(
     if Path(input_path).exists() and out.exists() and out.resolve() == Path(input_path).resolve():
         raise ValueError(f"--out {out} is the --input: regenerated records go to another file")
     done = read_done_ids(out)
+    check_settings(out, backend.answer_settings, bool(done))
     total = max(count_records(input_path, split) - len(done), 0)
     if limit is not None:
         total = min(total, limit)
