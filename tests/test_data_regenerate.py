@@ -24,8 +24,8 @@ from flashdraft.data.regenerate import (
     chat_completions_url,
     failed_path_for,
     regenerate_file,
-    settings_path_for,
 )
+from flashdraft.data.settings import settings_path_for
 from flashdraft.model.grouped_attention import NAMES
 
 

@@ -132,7 +132,7 @@ def test_a_killed_run_resumes_to_the_uninterrupted_result(chatty, tmp_path):
     assert _lines(cut) == _lines(whole)
     rejected = lambda p: sorted(map(json.dumps, _lines(rejected_path_for(p))))  # noqa: E731
     assert rejected(cut) == rejected(whole)
-    with pytest.raises(ValueError, match="resume with the same settings"):
+    with pytest.raises(ValueError, match="seed 0 -> 1. Rerun with the recorded settings"):
         synthesize(model, tok, cut, SynthesisOptions(count=10, max_tokens=12, batch_size=8, seed=1))
 
 

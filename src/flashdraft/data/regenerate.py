@@ -38,6 +38,7 @@ from flashdraft.data.formats import (
     with_reasoning,
 )
 from flashdraft.data.progress import progress_bar
+from flashdraft.data.settings import check_settings
 from flashdraft.data.tokenize import has_chat_template, no_template_message
 from flashdraft.model.grouped_attention import use_grouped_attention
 from flashdraft.model.target import (
@@ -558,10 +559,6 @@ def failed_path_for(out_path: str | Path) -> Path:
     return Path(str(out_path) + ".failed.jsonl")
 
 
-def settings_path_for(out_path: str | Path) -> Path:
-    return Path(str(out_path) + ".settings.json")
-
-
 def _sampling(temperature: float, max_tokens: int, thinking: bool | None, plain: bool) -> dict:
     return {
         "temperature": temperature,
@@ -569,28 +566,6 @@ def _sampling(temperature: float, max_tokens: int, thinking: bool | None, plain:
         "enable_thinking": thinking,
         "plain_text": plain,
     }
-
-
-def check_settings(out: Path, settings: dict, has_records: bool) -> None:
-    """One output file holds answers of one setting (`answer_settings`: the target, its chat template,
-    sampling, the token limit, the thinking mode), recorded in OUT.settings.json. A rerun that would add
-    answers of another setting to records already there is refused, naming what differs: those records
-    would otherwise count as done, whatever they were written with. An output with records but no
-    settings file (written before the file was kept) is taken as it is, and the file written."""
-    path = settings_path_for(out)
-    if has_records and path.exists():
-        recorded = json.loads(path.read_text())
-        changed = {k: (recorded.get(k), v) for k, v in settings.items() if recorded.get(k) != v}
-        if changed:
-            details = "; ".join(f"{k} {old!r} -> {new!r}" for k, (old, new) in changed.items())
-            raise ValueError(
-                f"{out} holds answers written with other settings ({path}): {details}. Rerun with the "
-                "recorded settings to continue it, or write to another --out"
-            )
-        return
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(settings, indent=1) + "\n")
-    os.replace(tmp, path)
 
 
 def regenerate_file(

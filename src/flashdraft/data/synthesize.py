@@ -36,6 +36,7 @@ from pathlib import Path
 
 import torch
 
+from flashdraft.data.settings import check_settings
 from flashdraft.data.tokenize import has_chat_template
 from flashdraft.model.target import clear_generation_defaults
 
@@ -70,10 +71,6 @@ class SynthesisSummary:
 
 def rejected_path_for(out_path: str | Path) -> Path:
     return Path(str(out_path) + ".rejected.jsonl")
-
-
-def settings_path_for(out_path: str | Path) -> Path:
-    return Path(str(out_path) + ".settings.json")
 
 
 def user_turn_frame(tokenizer, system: str | None = None) -> tuple[str, list[int]]:
@@ -157,18 +154,6 @@ def _read_lines(path: Path) -> list[dict]:
     return records
 
 
-def _check_settings(path: Path, settings: dict) -> None:
-    if path.exists():
-        before = json.loads(path.read_text())
-        if before != settings:
-            raise ValueError(
-                f"{path}: this output was sampled with {before}, not {settings}: resume with the same "
-                "settings, or write to another --out"
-            )
-    else:
-        path.write_text(json.dumps(settings, indent=1) + "\n")
-
-
 def _append(file, record: dict) -> None:
     file.write(json.dumps(record, ensure_ascii=False) + "\n")
     file.flush()
@@ -184,8 +169,8 @@ def synthesize(
     """Sample user turns until `options.count` are kept in `out_path` (or `max_samples` are drawn);
     `advance()` is called once per kept turn. Resumes what an earlier run of the same settings wrote."""
     out, rejected = Path(out_path), rejected_path_for(out_path)
-    _check_settings(settings_path_for(out), options.settings())
     kept_records, rejected_records = _read_lines(out), _read_lines(rejected)
+    check_settings(out, options.settings(), bool(kept_records or rejected_records))
     done = {(r["batch"], r["slot"]) for r in kept_records + rejected_records}
     seen = {_key(r["prompt"] if "prompt" in r else r["messages"][0]["content"]) for r in kept_records}
     summary = SynthesisSummary(len(kept_records), dict.fromkeys(REASONS, 0), 0, len(kept_records), rejected)
