@@ -5,6 +5,7 @@ checkpoint records the file it was trained against. The file is written by flash
 undoes llama.cpp's rotary layout of q and k, so equal logits check that layout too. The conversion's
 metadata and refusals are tested here; llama-server serving a converted target, in test_engine.py."""
 
+import dataclasses
 import json
 import shutil
 
@@ -424,6 +425,57 @@ def test_a_drafter_slice_ends_on_the_clock_with_time_to_save_and_goes_on_next_ru
     assert result["drafter_plan"]["steps"] == 1200 and result["drafter_steps"] == 90  # 10 minutes at 0.5 s
     assert "drafter" not in result["stages"] and result["drafter_tokens"] == 9000
     assert plans == [600.0] and json.loads((tmp_path / "summary.json").read_text())["drafter_steps"] == 90
+
+
+def test_a_drafter_planned_for_this_runs_budget_ends_its_steps_before_the_deadline(tmp_path, monkeypatch):
+    """Without drafter_minutes the drafter's steps are planned from what this run's budget leaves: at the
+    timed step they end before the deadline the run stops at (which leaves SLICE_END_S and the evals'
+    time), so the evals follow in the same run rather than the next one."""
+    import time
+
+    from flashdraft.demo import real_target
+    from flashdraft.model import target
+    from flashdraft.train import build as build_module
+    from flashdraft.train import trainer as trainer_module
+
+    monkeypatch.setattr(real_target, "smollm2_gguf", lambda: tmp_path / "x.gguf")
+    monkeypatch.setattr(real_target, "gguf_to_hf", lambda path, out: out)
+    monkeypatch.setattr(real_target, "report_estimate", lambda *a: 30.0)
+    monkeypatch.setattr(real_target, "_evaluate", lambda *a: True)  # the test ends at the evals
+
+    class Tokenizer:
+        def convert_tokens_to_ids(self, token):
+            return 7
+
+    monkeypatch.setattr(target, "load_tokenizer", lambda path: Tokenizer())
+    monkeypatch.setattr(
+        real_target, "_calibrate", lambda *a: {"step_s": 0.5, "startup_s": 5.0, "available": 10_000}
+    )
+    calls = []
+
+    class Trainer:
+        step, stream = 0, [type("Micro", (), {"num_tokens": 100})()] * 400
+
+        def __init__(self, cfg):
+            self.steps = cfg.max_steps
+
+        def run(self, deadline=None, until=None):
+            calls.append((time.time(), deadline, self.steps))
+            return trainer_module.TrainResult(self.steps, 0.5, 9.0, tmp_path / "ckpt")
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(build_module, "build_trainer", lambda cfg, *a, **k: Trainer(cfg))
+    turns = [{"id": f"synth-{i}", "messages": [{"role": "user", "content": "q"}]} for i in range(20)]
+    (tmp_path / "prompts.chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in turns))
+    summary = {"scale": json.loads(json.dumps(dataclasses.asdict(real_target.CPU))), "seconds": {},
+               "stages": ["target", "prompts", "regenerate", "prepare"]}  # fmt: skip
+    (tmp_path / "summary.json").write_text(json.dumps(summary))
+    result = real_target.run_real_target(tmp_path, 2.0, real_target.CPU)
+    ((now, deadline, steps),) = calls
+    assert steps > 100 and now + 5.0 + 0.5 * steps <= deadline  # 120 s, less 30 of evals and 20 to end
+    assert "drafter" in result["stages"]
 
 
 def test_the_gemma3_demo_names_the_packages_it_needs(monkeypatch, tmp_path):

@@ -494,11 +494,12 @@ def _prepare_data(run: _Progress, tokenizer) -> bool:
 
 
 def _drafter_steps(run: _Progress, plan: dict, eval_s: float) -> int:
-    """The drafter run's step count: what this run's budget leaves (its probes too), or, with
-    `drafter_minutes`, that long over this run and the next ones; at most what the data holds."""
+    """The drafter run's step count: what this run's budget leaves (its probes too) before the deadline
+    its steps end at (`_train_drafter`), or, with `drafter_minutes`, that long over this run and the next
+    ones; at most what the data holds."""
     scale = run.scale
     if scale.drafter_minutes is None:
-        left = run.left_s() - eval_s - plan["startup_s"]
+        left = run.left_s() - eval_s - SLICE_END_S - plan["startup_s"]
         left -= PROBE_S * (scale.probes + 1) if scale.probes else 0
         return min(plan["available"], max(10, int(left / plan["step_s"])))
     return min(plan["available"], max(10, int(60 * scale.drafter_minutes / plan["step_s"])))
