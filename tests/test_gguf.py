@@ -430,7 +430,8 @@ def test_a_drafter_slice_ends_on_the_clock_with_time_to_save_and_goes_on_next_ru
 def test_a_drafter_planned_for_this_runs_budget_ends_its_steps_before_the_deadline(tmp_path, monkeypatch):
     """Without drafter_minutes the drafter's steps are planned from what this run's budget leaves: at the
     timed step they end before the deadline the run stops at (which leaves SLICE_END_S and the evals'
-    time), so the evals follow in the same run rather than the next one."""
+    time). Steps slower than the timed one end on the clock, and the evals follow in the same run rather
+    than the next one all the same."""
     import time
 
     from flashdraft.demo import real_target
@@ -460,8 +461,8 @@ def test_a_drafter_planned_for_this_runs_budget_ends_its_steps_before_the_deadli
             self.steps = cfg.max_steps
 
         def run(self, deadline=None, until=None):
-            calls.append((time.time(), deadline, self.steps))
-            return trainer_module.TrainResult(self.steps, 0.5, 9.0, tmp_path / "ckpt")
+            calls.append((time.time(), deadline, self.steps))  # the clock stops it 6 steps short
+            return trainer_module.TrainResult(self.steps - 6, 0.5, 9.0, tmp_path / "ckpt")
 
         def close(self):
             pass
@@ -475,7 +476,7 @@ def test_a_drafter_planned_for_this_runs_budget_ends_its_steps_before_the_deadli
     result = real_target.run_real_target(tmp_path, 2.0, real_target.CPU)
     ((now, deadline, steps),) = calls
     assert steps > 100 and now + 5.0 + 0.5 * steps <= deadline  # 120 s, less 30 of evals and 20 to end
-    assert "drafter" in result["stages"]
+    assert "drafter" in result["stages"] and result["drafter_steps"] == steps - 6
 
 
 def test_the_gemma3_demo_names_the_packages_it_needs(monkeypatch, tmp_path):

@@ -559,8 +559,11 @@ def _train_drafter(
         "probe_tau": probe_tau(run_dir),
     }
     first, last = drafter["drafter_loss"]  # the run's first loss: a resumed slice has no step 1
-    run.console.print(f"drafter: loss {first:.3f} -> {last:.3f}; step {result.steps}/{steps}")
-    if result.steps < steps:  # the rest in the next run, resumed from this checkpoint
+    short = " (the steps ended on the clock)" if result.steps < steps else ""
+    run.console.print(f"drafter: loss {first:.3f} -> {last:.3f}; step {result.steps}/{steps}{short}")
+    # with drafter_minutes the rest comes in the next run, resumed from this checkpoint; without, the
+    # drafter had this run's time before the evals, and the evals follow
+    if result.steps < steps and scale.drafter_minutes is not None:
         run.record("drafter", **drafter)
         run.console.print(f"the drafter goes on from step {result.steps} in the next run (same command)")
         return True
