@@ -62,7 +62,7 @@ def default_target_layer_ids(num_target_layers: int, num_taps: int) -> list[int]
     if len(set(ids)) != num_taps:
         raise ValueError(
             f"a target of {num_target_layers} layers has no {num_taps} distinct layers in 1..L-3: "
-            "tap fewer layers or give target_layer_ids"
+            "tap fewer layers (drafter.num_taps) or name them (drafter.target_layer_ids)"
         )
     return ids
 
