@@ -472,8 +472,13 @@ def test_a_prompt_record_is_checked_as_training_data_is(tmp_path, record, says):
     with pytest.raises(ValueError, match=f"prompts.jsonl:2: .*{re.escape(says)}"):
         read_prompts(path)
     sharegpt = {"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "yo"}]}
-    path.write_text(json.dumps(sharegpt) + "\n")
+    path.write_bytes(b"\xef\xbb\xbf" + json.dumps(sharegpt).encode() + b"\r\n\r\n")  # a BOM, CRLF lines
     assert read_prompts(path) == [[{"role": "user", "content": "hi"}]]
+    array = tmp_path / "prompts.json"
+    array.write_text(json.dumps([{"prompt": "a"}, sharegpt]))
+    assert read_prompts(array) == [[{"role": "user", "content": "a"}], [{"role": "user", "content": "hi"}]]
+    with pytest.raises(ValueError, match="missing.jsonl: no such file"):
+        read_prompts(tmp_path / "missing.jsonl")
 
 
 def test_eval_cli_takes_stop_strings_and_humaneval_stops(tmp_path, tiny_target_dir, tiny_drafter_dir):

@@ -38,7 +38,14 @@ from typing import Protocol
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from flashdraft.data.formats import TEXT, Conversation, RawRecord, parse_object, parse_record
+from flashdraft.data.formats import (
+    TEXT,
+    Conversation,
+    RawRecord,
+    iter_raw_records,
+    parse_object,
+    parse_record,
+)
 from flashdraft.data.tokenize import has_chat_template, prompt_ids
 from flashdraft.eval.ngram import NgramProposer
 from flashdraft.eval.static import (
@@ -424,13 +431,11 @@ def _to_continue(conversation: Conversation) -> list[dict]:
 
 
 def read_prompts(path: str | Path, limit: int | None = None) -> list[list[dict]]:
-    """Conversations (`chat_messages`) from a JSONL file of {"messages": [...]} or {"prompt": "..."}
-    records; a ValueError names the line of the first one that is wrong and says why."""
+    """Conversations (`chat_messages`) from a file of {"messages": [...]} or {"prompt": "..."} records,
+    in any form the data commands read (JSONL, a JSON array, Parquet; flashdraft.data.formats); a
+    ValueError names the line of the first one that is wrong and says why."""
     conversations = []
-    for n, line in enumerate(Path(path).read_bytes().splitlines(), start=1):
-        if not line.strip():
-            continue
-        record = RawRecord(str(path), n, line)
+    for record in iter_raw_records(str(path)):
         try:
             conversations.append(_to_continue(parse_record(record, require_answers=False)))
         except ValueError as e:
