@@ -133,7 +133,7 @@ def main() -> None:
         for name, run_args, peer in runs:
             if args.budget_s is not None and time.monotonic() - started > args.budget_s:
                 break
-            run_once(name, run_args, k, args.out, common, peer, sources.get(name, "") if not peer else "")
+            run_once(name, run_args, k, args.out, common, peer, sources.get(name, ""))
     print("\n".join(table(args.out, [name for name, _, _ in runs])))
 
 
