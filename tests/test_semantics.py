@@ -173,8 +173,8 @@ def test_slot_weights():
     assert w[0] == 0 and w[1] == 1.0 and w[15] == pytest.approx(math.exp(-2.0))
 
 
-@pytest.mark.parametrize("seed", [0, 1])
-def test_structured_block_mask_equals_create_block_mask(seed):
+@pytest.mark.parametrize("seed,tile", [(0, 128), (1, 128), (0, 64)])
+def test_structured_block_mask_equals_create_block_mask(seed, tile):
     """The hand-built BlockMask has the same partial and full tiles as flex's own builder."""
     from torch.nn.attention.flex_attention import create_block_mask
 
@@ -184,9 +184,9 @@ def test_structured_block_mask_equals_create_block_mask(seed):
     # one document: whole context tiles visible, and an anchor one short of a tile's end (127)
     anchors.index[1] = torch.cat([torch.tensor([127]), torch.arange(260, 260 + 31 * 7, 7)])
     anchors.valid[1] = True
-    mine = structured_block_mask(anchors, batch.doc_ids, batch.position_ids, BLOCK)
+    mine = structured_block_mask(anchors, batch.doc_ids, batch.position_ids, BLOCK, tile=tile)
     mod = flex_mask_mod(anchors, batch.doc_ids, BLOCK)
-    ref = create_block_mask(mod, 3, None, 32 * BLOCK, 512 + 32 * BLOCK, device="cpu")
+    ref = create_block_mask(mod, 3, None, 32 * BLOCK, 512 + 32 * BLOCK, device="cpu", BLOCK_SIZE=tile)
 
     def tiles(num, idx):
         return [[set(idx[r, 0, q, : num[r, 0, q]].tolist()) for q in range(num.shape[2])] for r in range(3)]
