@@ -6,6 +6,7 @@ at T = 0 and above, beside a `flashdraft eval` report's tau, accepting what our 
 DFlash and DFlash2 drafters."""
 
 import json
+import re
 
 import gguf
 import numpy as np
@@ -94,6 +95,12 @@ def test_gguf_export_refuses_a_target_or_option_llama_cpp_cannot_serve(drafter_a
         export_checkpoint(ckpt, "gguf", tmp_path / "d.gguf", str(tmp_path))
     with pytest.raises(ValueError, match="tensor type 'q4'"):
         export_checkpoint(ckpt, "gguf", tmp_path / "d.gguf", str(tmp_path / "target.gguf"), gguf_type="q4")
+    export_checkpoint(ckpt, "gguf", tmp_path / "drafter.gguf", str(tmp_path / "target.gguf"))
+    with pytest.raises(ValueError, match="drafter.gguf: a DFlash drafter's GGUF, not a target"):
+        export_checkpoint(ckpt, "gguf", tmp_path / "d.gguf", str(tmp_path / "drafter.gguf"))
+    (tmp_path / "cut.gguf").write_bytes((tmp_path / "target.gguf").read_bytes()[:100])
+    with pytest.raises(ValueError, match="cut.gguf: a GGUF file that does not parse, truncated?"):
+        export_checkpoint(ckpt, "gguf", tmp_path / "d.gguf", str(tmp_path / "cut.gguf"))
     assert not (tmp_path / "d.gguf").exists()
 
 
@@ -170,13 +177,36 @@ def test_engine_check_serves_the_drafter_losslessly_and_stops_the_server(llama_s
 
 
 def test_engine_check_names_a_server_that_dies_with_the_end_of_its_log(llama_server, served_files):
-    broken = served_files / "broken.gguf"
-    broken.write_bytes((served_files / "drafter.gguf").read_bytes()[:4096])  # a header, its tensors cut off
+    broken = served_files / "broken.gguf"  # a drafter's GGUF without its shape or tensors
+    w = gguf.GGUFWriter(str(broken), "dflash")
+    w.add_block_count(1)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
     result = _engine_check(served_files, drafter=broken.name)
     assert result.exit_code == 1
     assert "llama-server exited with code" in result.output
     assert "llama-server.dflash.log" in result.output and "broken.gguf" in result.output  # the log's tail
     assert _servers_serving(served_files) == []
+
+
+def test_engine_check_refuses_what_is_not_a_drafter_or_a_target_before_any_server(served_files, tmp_path):
+    """Each refusal names the option and the path, exit code 2, whether or not a server is built."""
+    (served_files / "ckpt.gguf").write_bytes((served_files / "drafter.gguf").read_bytes()[:4096])  # cut
+    cases = {
+        ("ckpt", "target.gguf"): "--drafter .*ckpt: a directory, not a .gguf file; export the drafter",
+        ("ckpt/model.safetensors", "target.gguf"): "model.safetensors: not a GGUF file; export the drafter",
+        ("target.gguf", "target.gguf"): "target.gguf: a GGUF of a 'llama' model, not a DFlash drafter",
+        ("target.gguf", "drafter.gguf"): "--target .*drafter.gguf: a DFlash drafter's GGUF, not a target "
+        r"\(--target and --drafter swapped\?\)",
+        ("ckpt.gguf", "target.gguf"): "--drafter .*ckpt.gguf: a GGUF file that does not parse, truncated?",
+    }
+    for (drafter, target), message in cases.items():
+        result = _engine_check(served_files, drafter, target, "--server", str(tmp_path / "no-server"))
+        assert result.exit_code == 2, result.output
+        assert re.search(message, " ".join(result.output.split())), result.output
+    assert not (served_files / "engine").exists()
 
 
 def test_engine_check_puts_an_evals_tau_beside_the_engines_and_refuses_an_eval_of_other_prompts(

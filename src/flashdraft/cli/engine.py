@@ -126,6 +126,8 @@ def engine_check_cmd(
         ServerError,
         ServerOptions,
         beside_eval,
+        check_dflash_drafter,
+        check_dflash_target,
         comparison_problems,
         engine_check,
         find_server,
@@ -133,9 +135,10 @@ def engine_check_cmd(
     from flashdraft.export.gguf_target import served_target
 
     try:
+        if Path(target).suffix == ".gguf":  # before its tokenizer is read: a drafter's fails obscurely
+            check_dflash_target(Path(target))
+        check_dflash_drafter(drafter)
         binary = find_server(server)
-        if not drafter.is_file():
-            raise FileNotFoundError(f"{drafter}: no such file")
         ids = _prompt_ids(target, prompts, max_prompts, thinking)
         if compare is not None:
             eval_report = _read_eval_report(compare)

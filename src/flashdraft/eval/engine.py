@@ -70,12 +70,36 @@ DFLASH_TARGETS = frozenset({
 })  # fmt: skip
 
 
-def check_dflash_target(target: Path) -> None:
-    """Refuse a target GGUF whose architecture llama.cpp cannot feed a DFlash drafter (DFLASH_TARGETS)."""
-    import gguf
+def gguf_architecture(path: Path, option: str) -> str | None:
+    """The `general.architecture` of the GGUF file at `path`, or an error naming `option` (read_gguf)."""
+    from flashdraft.export.gguf_drafter import architecture, read_gguf
 
-    field = gguf.GGUFReader(target).fields.get("general.architecture")
-    arch = field.contents() if field is not None else None
+    return architecture(read_gguf(path, option))
+
+
+def check_dflash_drafter(drafter: Path) -> None:
+    """Refuse a --drafter that is not a DFlash drafter's GGUF, naming what it is."""
+    from flashdraft.export.gguf_drafter import ARCH
+
+    how = "export the drafter with `flashdraft export CKPT --format gguf`"
+    try:
+        arch = gguf_architecture(drafter, "--drafter")
+    except ValueError as e:  # a directory, a checkpoint's safetensors
+        raise ValueError(f"{e}; {how}") from e
+    if arch != ARCH:
+        raise ValueError(f"--drafter {drafter}: a GGUF of a {arch!r} model, not a DFlash drafter; {how}")
+
+
+def check_dflash_target(target: Path) -> None:
+    """Refuse a target GGUF whose architecture llama.cpp cannot feed a DFlash drafter (DFLASH_TARGETS), or
+    a drafter's GGUF given as the target."""
+    from flashdraft.export.gguf_drafter import ARCH
+
+    arch = gguf_architecture(target, "--target")
+    if arch == ARCH:
+        raise ValueError(
+            f"--target {target}: a DFlash drafter's GGUF, not a target (--target and --drafter swapped?)"
+        )
     if arch not in DFLASH_TARGETS:
         raise ValueError(
             f"{target}: llama.cpp (build 11434) serves a DFlash drafter only for targets whose graph "
@@ -304,6 +328,7 @@ def engine_check(
     temperature: float = 0.0,
 ) -> dict:
     """Serve target + drafter, then the target alone, over `prompts` (token ids); the report as a dict."""
+    check_dflash_drafter(drafter)
     check_dflash_target(target)
     runs = {}
     for name, draft in (("dflash", drafter), ("plain", None)):

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import math
 import os
+import struct
 from pathlib import Path
 
 import gguf
@@ -105,6 +106,28 @@ def serving_problems(cfg: dict) -> list[str]:
     return problems
 
 
+def read_gguf(path: str | Path, what: str) -> gguf.GGUFReader:
+    """The GGUF file at `path` parsed, or an error naming `what` gave it: a path that is a directory, is
+    missing, is another format, or is cut or damaged (gguf's reader then raises whatever numpy does)."""
+    path = Path(path)
+    if path.is_dir():
+        raise ValueError(f"{what} {path}: a directory, not a .gguf file")
+    if not path.is_file():
+        raise FileNotFoundError(f"{what} {path}: no such file")
+    with path.open("rb") as f:
+        if f.read(4) != b"GGUF":
+            raise ValueError(f"{what} {path}: not a GGUF file")
+    try:
+        return gguf.GGUFReader(path)
+    except (ValueError, IndexError, OSError, struct.error) as e:
+        raise ValueError(f"{what} {path}: a GGUF file that does not parse, truncated? ({e})") from e
+
+
+def architecture(reader: gguf.GGUFReader) -> str | None:
+    field = reader.fields.get("general.architecture")
+    return field.contents() if field is not None else None
+
+
 class TargetGGUF:
     """What the drafter's file takes from the target's GGUF: its tokenizer keys and the shape to check."""
 
@@ -115,9 +138,11 @@ class TargetGGUF:
                 f"{path}: the gguf export needs the target as the .gguf file llama-server serves "
                 "(convert an HF target with llama.cpp's convert_hf_to_gguf.py)"
             )
-        reader = gguf.GGUFReader(path)
+        reader = read_gguf(path, "--target")
         self.path = path
-        self.arch = reader.fields["general.architecture"].contents()
+        self.arch = architecture(reader)
+        if self.arch == ARCH:
+            raise ValueError(f"--target {path}: a DFlash drafter's GGUF, not a target")
         self.fields = {k: f for k, f in reader.fields.items() if k.startswith("tokenizer.")}
         self.num_layers = self._int(reader, "block_count")
         self.hidden_size = self._int(reader, "embedding_length")
