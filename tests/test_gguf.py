@@ -175,6 +175,19 @@ def test_a_missing_gguf_file_is_named(tmp_path):
     assert result.exit_code == 2 and "nowhere.gguf: no such GGUF file" in result.output
 
 
+def test_a_cut_gguf_file_is_named_with_what_went_wrong(gguf_target, tmp_path):
+    """Cut in its metadata or in its tensors' table, the file is named, and the command exits 2."""
+    whole = gguf_target[1].read_bytes()
+    for size in (200, len(whole) // 2):
+        cut = tmp_path / f"cut{size}.gguf"
+        cut.write_bytes(whole[:size])
+        with pytest.raises(ValueError, match=f"cut{size}.gguf: transformers cannot read this GGUF file"):
+            load_target(cut)
+    result = CliRunner().invoke(app, ["train", "--target", str(cut), "--data", str(tmp_path), "--out",
+                                      str(tmp_path / "run"), "--device", "cpu"])  # fmt: skip
+    assert result.exit_code == 2 and "transformers cannot read this GGUF file" in result.output
+
+
 def _conversation(i: int, question: str) -> str:
     turns = [
         {"role": "user", "content": question},

@@ -33,6 +33,7 @@ import contextlib
 import copy
 import inspect
 import re
+import struct
 import warnings
 from pathlib import Path
 
@@ -592,8 +593,10 @@ def target_config(path_or_id: str | Path):
         return AutoConfig.from_pretrained(source, **kwargs)
     except OSError as e:  # no such directory, no config.json, not on the hub (offline)
         raise ValueError(f"{path_or_id}: not a model transformers can load ({str(e).splitlines()[0]})") from e
-    except ValueError as e:  # an id the hub client refuses, e.g. a local path that does not exist
-        if type(e).__name__ != "HFValidationError":
+    except (ValueError, struct.error) as e:
+        if "gguf_file" in kwargs:  # a cut file (struct's or numpy's words), an architecture it cannot read
+            raise ValueError(f"{path_or_id}: transformers cannot read this GGUF file ({e})") from e
+        if type(e).__name__ != "HFValidationError":  # an id the hub client refuses, e.g. a missing path
             raise
         raise ValueError(f"{path_or_id}: not a model transformers can load ({e})") from e
 
