@@ -53,6 +53,7 @@ def base(tmp_path_factory, tiny_tokenizer):
     for f in stdlib_files(limit=6):
         (sources / f.name).write_text(f.read_text(errors="replace"))
     (sources / "logo.png").write_bytes(b"\x89PNG\r\n\x1a\n\xff\xfe")  # not text: named and skipped
+    (sources / "data.bin").write_bytes(b"\x00\x01\x02 = 1\n" * 40)  # valid UTF-8, but binary: skipped too
     return SimpleNamespace(root=root, target=target, sources=sources, tokenizer=load_target(target, "cpu")[1])
 
 
@@ -71,7 +72,7 @@ def test_prompts_cut_from_files_continued_prepared_trained_and_evaluated(base):
     out = run("data", "prompts", "--target", target, "--input", str(base.sources), "--out", str(prompts),
               "--min-tokens", "8", "--max-tokens", "40", "--per-file", "3")  # fmt: skip
     cut = records(prompts)
-    assert len(cut) == 18 and "logo.png" in out  # 6 files x 3, the binary named
+    assert len(cut) == 18 and "logo.png" in out and "data.bin" in out  # 6 files x 3, the binaries named
     assert len({r["id"] for r in cut}) == len(cut)  # ids name the lines: unique
     for r in cut:
         name, span = r["id"].rsplit(":", 1)

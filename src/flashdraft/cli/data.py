@@ -300,7 +300,7 @@ def prompts(
         _fail(str(e))
     if summary.skipped:
         names = ", ".join(summary.skipped[:3]) + (", ..." if len(summary.skipped) > 3 else "")
-        typer.echo(f"skipped {len(summary.skipped)} files that are not UTF-8 text: {names}", err=True)
+        typer.echo(f"skipped {len(summary.skipped)} files that are not text: {names}", err=True)
     typer.echo(f"{summary.prompts} prompts from {summary.files} files -> {out}")
 
 

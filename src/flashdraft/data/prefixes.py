@@ -7,8 +7,9 @@ cut at line starts into prefixes: a prompt is a run of whole lines ending before
 then continues each with the target, so that the drafter learns what the target writes after such text.
 
 Cuts are drawn per file from a generator seeded by the seed and the file's relative path, so the same
-command gives the same prompts whatever else the input holds. A file that is not UTF-8 text is named
-and skipped (a source tree holds images and archives); an input with no usable file is an error.
+command gives the same prompts whatever else the input holds. A file that is not UTF-8 text, or holds a
+NUL byte, is named and skipped (a source tree holds images and archives); an input with no usable file is
+an error.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from flashdraft.data.humaneval import write_prompts
 @dataclass
 class PrefixSummary:
     files: int  # text files read
-    skipped: list[str]  # files that are not UTF-8 text
+    skipped: list[str]  # files that are not text: not UTF-8, or holding NUL bytes
     prompts: int
 
 
@@ -94,6 +95,8 @@ def write_prefix_prompts(
         try:
             text = path.read_text(encoding="utf-8")
         except UnicodeDecodeError:
+            text = None
+        if text is None or "\0" in text:  # binary: not UTF-8, or NUL bytes, which no text file holds
             summary.skipped.append(str(path))
             continue
         summary.files += 1
@@ -108,7 +111,7 @@ def write_prefix_prompts(
         raise ValueError(
             f"no prompt of {min_tokens}-{max_tokens} tokens in {summary.files} text files under "
             f"{', '.join(map(str, paths))}"
-            + (f" ({len(summary.skipped)} not UTF-8)" if summary.skipped else "")
+            + (f" ({len(summary.skipped)} not text)" if summary.skipped else "")
         )
     records = records[:count] if count is not None else records
     write_prompts(records, out)
