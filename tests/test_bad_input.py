@@ -46,6 +46,10 @@ def test_a_wrong_target_a_broken_config_and_a_config_directory_are_named(tmp_pat
     assert broken.exit_code == 2 and "c.yaml: not valid YAML" in broken.output
     folder = CliRunner().invoke(app, ["train", "--config", str(tmp_path), "--target", "x", *run])
     assert folder.exit_code == 2 and "no such config file (a directory)" in folder.output
+    twice = _train("--target", "x", *run, config="optim:\n  lr: 1\n  lr: 2\n", tmp_path=tmp_path)
+    assert twice.exit_code == 2 and "not valid YAML: 'lr' is given twice (lines 2 and 3)" in twice.output
+    code = _train("--target", "x", *run, config="a: !!python/object/apply:os.getpid []", tmp_path=tmp_path)
+    assert code.exit_code == 2 and "c.yaml: not valid YAML" in code.output  # a tag that would run code
 
 
 def test_damaged_shards_and_checkpoints_are_named(tmp_path, tiny_target_dir, data_dir):

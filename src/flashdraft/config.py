@@ -484,6 +484,32 @@ def _validate(model: type[BaseModel], raw: dict, yaml_path: Path | None):
         raise ValueError(f"invalid config{where}:\n{e}") from None
 
 
+class _StrictLoader(yaml.SafeLoader):
+    """yaml's safe loader (no tags that build Python objects) that also refuses a key given twice in one
+    mapping, which yaml would resolve silently to the last value."""
+
+
+def _unique_keys(loader: _StrictLoader, node: yaml.MappingNode, deep: bool = False) -> dict:
+    lines: dict = {}
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=deep)
+        line = key_node.start_mark.line + 1
+        if isinstance(key, str | int | float | bool) and key in lines:
+            raise yaml.constructor.ConstructorError(
+                None, None, f"{key!r} is given twice (lines {lines[key]} and {line})", key_node.start_mark
+            )
+        lines[key] = line
+    return loader.construct_mapping(node, deep)
+
+
+_StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _unique_keys)
+
+
+def load_yaml(text: str) -> Any:
+    """A config file's YAML: safe, and a key given twice in a mapping is an error (yaml.YAMLError)."""
+    return yaml.load(text, Loader=_StrictLoader)  # a SafeLoader: no tags that build Python objects
+
+
 def _resolve_raw(preset: str, yaml_path: Path | None, overrides: dict) -> dict:
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
@@ -493,7 +519,7 @@ def _resolve_raw(preset: str, yaml_path: Path | None, overrides: dict) -> dict:
         if not path.is_file():
             raise ValueError(f"{path}: no such config file" + (" (a directory)" if path.is_dir() else ""))
         try:
-            loaded = yaml.safe_load(path.read_text()) or {}
+            loaded = load_yaml(path.read_text()) or {}
         except yaml.YAMLError as e:
             raise ValueError(f"{path}: not valid YAML: {e}") from None
         if not isinstance(loaded, dict):

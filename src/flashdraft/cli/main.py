@@ -274,8 +274,10 @@ def _yaml_run(config: Path | None) -> dict:
     the config reports that)."""
     import yaml
 
+    from flashdraft.config import load_yaml
+
     try:
-        loaded = yaml.safe_load(config.read_text()) if config else None
+        loaded = load_yaml(config.read_text()) if config else None
     except (OSError, yaml.YAMLError):
         return {}
     run = loaded.get("run") if isinstance(loaded, dict) else None
