@@ -276,6 +276,34 @@ def test_cli_prepare_of_an_empty_file_says_nothing_was_kept(tokenizer_dir, tmp_p
     assert (stats["records_read"], stats["kept"]) == (0, 0) and len(load_token_dataset(out)) == 0
 
 
+def test_cli_prepare_names_the_line_of_a_chat_template_that_does_not_compile(
+    tokenizer_dir, mixed_input, tmp_path
+):
+    """Compiled as transformers compiles it: its `generation` tag is taken, a syntax error is named with its
+    line before any record is read, and nothing is written."""
+    from test_data_tokenize import QWEN3_TEMPLATE
+
+    bad, good = tmp_path / "bad.jinja", tmp_path / "good.jinja"
+    bad.write_text("{% for m in messages %}\n{{ m.content }\n{% endfor %}")
+    answer = "{{- '<|im_start|>assistant\\n' + content }}"
+    assert answer in QWEN3_TEMPLATE
+    good.write_text(QWEN3_TEMPLATE.replace(answer, "{% generation %}" + answer + "{% endgeneration %}"))
+    args = [
+        "prepare",
+        "--target",
+        str(tokenizer_dir),
+        "--input",
+        str(mixed_input[0]),
+        "--cache-dir",
+        str(tmp_path),
+    ]
+    result = CliRunner().invoke(data_app, [*args, "--out", str(tmp_path / "a"), "--chat-template", str(bad)])
+    assert result.exit_code == 2 and "bad.jinja:2: not a Jinja template" in result.stderr
+    assert not (tmp_path / "a").exists()
+    result = CliRunner().invoke(data_app, [*args, "--out", str(tmp_path / "b"), "--chat-template", str(good)])
+    assert result.exit_code == 0, result.stderr
+
+
 def test_cli_prepare_missing_input_exits_with_status_2(tokenizer_dir, tmp_path):
     args = [
         "prepare",

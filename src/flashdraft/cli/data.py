@@ -28,12 +28,23 @@ def _fail(message: str, code: int = 2) -> NoReturn:
 
 
 def _read_template(path: Path | None) -> str | None:
+    """The --chat-template file's text, compiled once as transformers compiles it (its sandbox and its
+    `generation` tag), so that a syntax error names the file's line before any record is read."""
     if path is None:
         return None
+    from jinja2 import TemplateSyntaxError
+    from transformers.utils.chat_template_utils import _compile_jinja_template
+
     try:
-        return path.read_text()
+        text = path.read_text()
+        _compile_jinja_template(text)
     except OSError as e:
         _fail(f"--chat-template {path}: {e.strerror}")
+    except UnicodeDecodeError:
+        _fail(f"--chat-template {path}: not UTF-8 text")
+    except TemplateSyntaxError as e:
+        _fail(f"--chat-template {path}:{e.lineno}: not a Jinja template ({e.message})")
+    return text
 
 
 @data_app.command()
@@ -247,9 +258,10 @@ def synthesize(
     from flashdraft.model.target import default_device, load_target
 
     options = SynthesisOptions(count, temperature, top_p, max_tokens, batch_size, seed, max_samples, system)
+    template = _read_template(chat_template)  # before the target loads: a bad file fails at once
     try:
         model, tokenizer = load_target(target, default_device(device))
-        tokenizer.chat_template = _read_template(chat_template) or tokenizer.chat_template
+        tokenizer.chat_template = template or tokenizer.chat_template
         with progress_bar("synthesize", count, progress) as advance:
             summary = run(model, tokenizer, out, options, advance)
     except (OSError, ValueError) as e:
