@@ -125,8 +125,13 @@ def test_wandb_asked_for_without_wandb_installed_is_refused_before_anything_load
     assert result.exit_code == 2 and "pip install 'flashdraft[wandb]'" in result.output
 
 
-def test_eval_refuses_a_drafter_trained_for_another_vocabulary(tmp_path, tiny_target_dir, data_dir):
+def test_eval_refuses_a_drafter_trained_for_another_vocabulary(
+    tmp_path, tiny_target_dir, data_dir, monkeypatch
+):
+    """From the configs, before the target's weights load."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import flashdraft.model.target
 
     trainer = build_trainer(_cfg(max_steps=1), tiny_target_dir, data_dir, tmp_path / "run", device="cpu")
     trainer.run()
@@ -140,6 +145,11 @@ def test_eval_refuses_a_drafter_trained_for_another_vocabulary(tmp_path, tiny_ta
     ckpt = latest_checkpoint(tmp_path / "run" / "checkpoints")
     args = ["eval", "--target", str(other), "--drafter", str(ckpt), "--prompts", str(prompts), "--out",
             str(tmp_path / "e.json"), "--device", "cpu"]  # fmt: skip
+
+    def loads(*args, **kwargs):
+        raise AssertionError("the target's weights loaded")
+
+    monkeypatch.setattr(flashdraft.model.target, "load_target", loads)
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 2 and "another target's drafter" in result.output
 

@@ -23,6 +23,7 @@ from flashdraft.eval.spec import (
     METHODS,
     Generation,
     StopText,
+    check_drafter_fits,
     decoding_target,
     encode_prompt,
     mean_tau,
@@ -273,10 +274,14 @@ def compare_methods(
     others were measured elsewhere. draft_sampling: DFlash's drafts, as in `run_methods`. stop_strings:
     each decoding ends once its new text holds one (`StopText`), e.g. HumanEval's for completions."""
 
-    from flashdraft.model.checkpoint import load_drafter
-    from flashdraft.model.target import load_target
+    from flashdraft.model.checkpoint import load_drafter, read_config
+    from flashdraft.model.target import load_target, target_config
 
     device = default_device(device)
+    # the shapes from the configs, before any weight loads (a GGUF's config is a parse of the whole file:
+    # decoding_target checks it after the load)
+    if not str(target).endswith(".gguf"):
+        check_drafter_fits(target_config(target), read_config(Path(drafter)))
     model, tokenizer = load_target(target, device, attention=attention)
     draft = load_drafter(drafter, device, dtype=model.dtype).eval()
     spec_target = decoding_target(model, draft)

@@ -476,20 +476,27 @@ def decoding_target(target: Target | PreTrainedModel, drafter: DFlashDrafter) ->
     else:
         model = target
         target = Target(model, drafter.target_layer_ids)
-    depth, width = int(drafter.config.num_target_layers), drafter.config.hidden_size
-    text = model.config.get_text_config()
-    if text.hidden_size != width:
+    check_drafter_fits(model.config, drafter.config.to_dict())
+    return target
+
+
+def check_drafter_fits(target_config, drafter_config: dict) -> None:
+    """A ValueError where the target is not of the shape the drafter was trained on: its width,
+    vocabulary and depth against the drafter's hidden_size, vocab_size and num_target_layers (the fields
+    of its config.json; one it lacks is not checked)."""
+    text = target_config.get_text_config()
+    width, vocab, depth = (drafter_config.get(k) for k in ("hidden_size", "vocab_size", "num_target_layers"))
+    if width is not None and text.hidden_size != width:
         raise ValueError(f"the target's width is {text.hidden_size}, the drafter was trained on {width}")
-    if text.vocab_size != drafter.config.vocab_size:
+    if vocab is not None and text.vocab_size != vocab:
         raise ValueError(
             f"the target's vocabulary has {text.vocab_size} tokens, the drafter was trained on one of "
-            f"{drafter.config.vocab_size}: another target's drafter"
+            f"{vocab}: another target's drafter"
         )
-    if text.num_hidden_layers != depth:
+    if depth is not None and text.num_hidden_layers != int(depth):
         raise ValueError(
             f"the target has {text.num_hidden_layers} layers, the drafter was trained on a target of {depth}"
         )
-    return target
 
 
 def eval_tau(
