@@ -19,7 +19,7 @@ from typer.testing import CliRunner
 from flashdraft.cli.main import app
 from flashdraft.export.gguf_target import write_gguf_target
 from flashdraft.model.checkpoint import latest_checkpoint
-from flashdraft.model.target import load_target
+from flashdraft.model.target import load_target, load_tokenizer
 
 
 def write_gguf(model, tokenizer, path) -> None:
@@ -181,8 +181,9 @@ def test_a_cut_gguf_file_is_named_with_what_went_wrong(gguf_target, tmp_path):
     for size in (200, len(whole) // 2):
         cut = tmp_path / f"cut{size}.gguf"
         cut.write_bytes(whole[:size])
-        with pytest.raises(ValueError, match=f"cut{size}.gguf: transformers cannot read this GGUF file"):
-            load_target(cut)
+        for load in (load_target, load_tokenizer):
+            with pytest.raises(ValueError, match=f"cut{size}.gguf: transformers cannot read this GGUF file"):
+                load(cut)
     result = CliRunner().invoke(app, ["train", "--target", str(cut), "--data", str(tmp_path), "--out",
                                       str(tmp_path / "run"), "--device", "cpu"])  # fmt: skip
     assert result.exit_code == 2 and "transformers cannot read this GGUF file" in result.output

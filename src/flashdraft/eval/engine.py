@@ -70,16 +70,9 @@ DFLASH_TARGETS = frozenset({
 })  # fmt: skip
 
 
-def gguf_architecture(path: Path, option: str) -> str | None:
-    """The `general.architecture` of the GGUF file at `path`, or an error naming `option` (read_gguf)."""
-    from flashdraft.export.gguf_drafter import architecture, read_gguf
-
-    return architecture(read_gguf(path, option))
-
-
 def check_dflash_drafter(drafter: Path) -> None:
     """Refuse a --drafter that is not a DFlash drafter's GGUF, naming what it is."""
-    from flashdraft.export.gguf_drafter import ARCH
+    from flashdraft.export.gguf_drafter import ARCH, gguf_architecture
 
     how = "export the drafter with `flashdraft export CKPT --format gguf`"
     try:
@@ -93,7 +86,7 @@ def check_dflash_drafter(drafter: Path) -> None:
 def check_dflash_target(target: Path) -> None:
     """Refuse a target GGUF whose architecture llama.cpp cannot feed a DFlash drafter (DFLASH_TARGETS), or
     a drafter's GGUF given as the target."""
-    from flashdraft.export.gguf_drafter import ARCH
+    from flashdraft.export.gguf_drafter import ARCH, gguf_architecture
 
     arch = gguf_architecture(target, "--target")
     if arch == ARCH:

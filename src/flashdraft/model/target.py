@@ -392,7 +392,12 @@ def _gguf_parsed_once(path_or_id: str | Path):
 def load_tokenizer(path_or_id: str | Path):
     with _gguf_parsed_once(path_or_id):
         source, kwargs = target_source(path_or_id)
-        tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
+        except (ValueError, struct.error) as e:
+            if "gguf_file" not in kwargs:
+                raise
+            raise _unreadable_gguf(path_or_id, e) from e
         if "gguf_file" in kwargs:
             import gguf
 
@@ -594,11 +599,17 @@ def target_config(path_or_id: str | Path):
     except OSError as e:  # no such directory, no config.json, not on the hub (offline)
         raise ValueError(f"{path_or_id}: not a model transformers can load ({str(e).splitlines()[0]})") from e
     except (ValueError, struct.error) as e:
-        if "gguf_file" in kwargs:  # a cut file (struct's or numpy's words), an architecture it cannot read
-            raise ValueError(f"{path_or_id}: transformers cannot read this GGUF file ({e})") from e
+        if "gguf_file" in kwargs:
+            raise _unreadable_gguf(path_or_id, e) from e
         if type(e).__name__ != "HFValidationError":  # an id the hub client refuses, e.g. a missing path
             raise
         raise ValueError(f"{path_or_id}: not a model transformers can load ({e})") from e
+
+
+def _unreadable_gguf(path_or_id, error: Exception) -> ValueError:
+    """A cut GGUF file (struct's or numpy's words, which name no file) or an architecture transformers
+    cannot read, named."""
+    return ValueError(f"{path_or_id}: transformers cannot read this GGUF file ({error})")
 
 
 def target_record(path_or_id: str | Path, model: PreTrainedModel) -> dict:
