@@ -42,6 +42,7 @@ def test_bench_tiny_reports_throughput_mfu_and_phases(tmp_path):
     _, r = _bench_tiny(tmp_path, 2, "--recompute-logits", "--profile", str(tmp_path / "prof"))
     assert r["settings"]["recompute_logits"] is True  # the option reached the trainer
     assert r["ctx_tok_s"] > 0 and r["draft_pos_s"] > 0 and 0 < r["mfu"] < 1
+    assert 0.1 < r["peak_mem_gib"] < 24  # on a CPU, the process's peak resident memory
     # the target forward's own share of peak: its FLOPs over its phase's time
     tiny, kept = shape_config("tiny"), r["settings"]["target_layers_run"]
     target = step_flops(tiny, drafter_config(tiny, 5, None, 3, 16, 511), kept, 128, 8 * 16, 8 * 15, 128 // 4)

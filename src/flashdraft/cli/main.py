@@ -525,7 +525,7 @@ def bench(
         *fp8,
         ("MFU", f"{100 * r.mfu:.1f}%"),
         *target,
-        ("peak memory", f"{r.peak_mem_gib:.1f} GiB"),
+        ("peak memory" + (" (process)" if r.device == "cpu" else ""), f"{r.peak_mem_gib:.1f} GiB"),
         ("start-up / first step", f"{r.startup_s:.1f} s / {r.first_step_s:.1f} s"),
         ("compile", r.compile_report),
         ("settings", ", ".join(f"{k} {v}" for k, v in r.settings.items())),
