@@ -160,6 +160,7 @@ def test_train_command_writes_a_run_directory(tmp_path, tiny_target_dir, tiny_to
     lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in lines] == [2, 4]
     assert {"loss", "acc_slot1", "acc_per_slot", "lr", "ctx_tok_s", "draft_pos_s", "mfu"} <= set(lines[0])
+    assert 0.1 < lines[0]["mem_gib"] < 24  # on a CPU, the process's peak resident memory
     assert "tau" not in lines[0] and 1.0 <= lines[1]["tau"] <= 16.0  # serving acceptance, measured at step 4
     assert "tau" in (run / "train.log").read_text()
     ckpts = run / "checkpoints"

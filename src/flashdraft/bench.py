@@ -34,6 +34,7 @@ from flashdraft.data.packing import PackedBatch
 from flashdraft.model.target import first_layers_config
 from flashdraft.train.build import Batches, RunSource, build
 from flashdraft.train.flops import matmul_tflops, mfu, micro_batch_flops, sync
+from flashdraft.train.metrics import peak_memory_bytes
 from flashdraft.train.timing import PhaseTimer
 from flashdraft.train.trainer import Trainer
 
@@ -504,20 +505,11 @@ def phase_table(events: list[dict], steps: int, device: bool, top: int = 15) -> 
     return "\n".join(lines) + "\n"
 
 
-def _peak_bytes(dev: torch.device) -> int:
-    """The GPU's peak allocated bytes; on a CPU, the process's peak resident memory (Linux: KiB)."""
-    if dev.type == "cuda":
-        return torch.cuda.max_memory_allocated()
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
 def _rank_info(topo, dev, startup: float, first_step: float | None, report=None) -> dict:
     return {
         "rank": topo.rank,
         "role": ("target" if topo.is_target else "drafter") if topo.layout.is_split else "colocated",
-        "peak_mem_gib": round(_peak_bytes(dev) / 2**30, 2),
+        "peak_mem_gib": round(peak_memory_bytes(dev) / 2**30, 2),
         "startup_s": round(startup, 1),
         "first_step_s": None if first_step is None else round(first_step, 1),
         "compile": report.line() if report else None,

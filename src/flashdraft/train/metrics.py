@@ -15,6 +15,16 @@ import torch
 from flashdraft.train.loss import SELECTOR_SUMS
 
 
+def peak_memory_bytes(device: torch.device) -> int:
+    """The GPU's peak allocated bytes (since the last reset of its counter); on a CPU, the process's peak
+    resident memory (Linux reports KiB)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
 class MetricsLogger:
     def __init__(
         self,

@@ -48,7 +48,7 @@ from flashdraft.train.compile import (
 from flashdraft.train.features import LocalFeatures, ReceivedFeatures
 from flashdraft.train.flops import matmul_tflops, mfu, micro_batch_flops
 from flashdraft.train.mask import MaskChoice
-from flashdraft.train.metrics import MetricsLogger, StepStats, Window
+from flashdraft.train.metrics import MetricsLogger, StepStats, Window, peak_memory_bytes
 from flashdraft.train.probes import autocast, measure_tau, sum_over_drafters_, validate
 from flashdraft.train.state import Checkpointer, NonFiniteError, write_fingerprint
 from flashdraft.train.step import Kernels, StepSpec, micro_step_loss, selector_objective, target_features
@@ -482,7 +482,7 @@ class Trainer:
             mfu=mfu(done, elapsed, self.peak_tflops, self.peak_fp8_tflops, self.topo.world_size)
             if self.peak_tflops  # the main rank's
             else 0.0,
-            mem_gib=torch.cuda.max_memory_allocated() / 2**30 if self.device.type == "cuda" else 0.0,
+            mem_gib=peak_memory_bytes(self.device) / 2**30,
             skipped_steps=int(self.skipped),
         )
         if self.remote is not None:
