@@ -147,7 +147,7 @@ def test_the_command_writes_the_comparison_it_names(tiny_target_dir, data_dir, t
     "args, message",
     [
         (["--variant", "mix:distill"], "--variant 'mix:distill': expected NAME:KEY=VALUE"),
-        (["--variant", "a", "--variant", "a"], "two --variant options share a name"),
+        (["--variant", "a", "--variant", "a"], "--variant names must differ: 'a' is given twice"),
         (["--variant", "a", "--base", "layers"], "--base 'layers': expected KEY=VALUE"),
         (["--variant", "a", "--prompts", "code.jsonl"], "--prompts 'code.jsonl': expected NAME=JSONL"),
         (["--variant", "a", "--variant", "b:position_weights=x"], "variant 'b'"),

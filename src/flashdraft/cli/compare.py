@@ -84,9 +84,11 @@ def _comparison(variants, steps, target, data, prompts, humaneval, base, **rest)
 
     if not steps:
         raise ValueError("--steps: the optimizer steps every variant trains")
-    named = dict(parse_variant(v) for v in variants)
-    if len(named) != len(variants):
-        raise ValueError("two --variant options share a name")
+    parsed = [parse_variant(v) for v in variants]
+    names = [name for name, _ in parsed]
+    if twice := sorted({n for n in names if names.count(n) > 1}):
+        raise ValueError(f"--variant names must differ: {', '.join(map(repr, twice))} is given twice")
+    named = dict(parsed)
     if not (target and data and (prompts or humaneval)):
         raise ValueError("name --target, --data and at least one --prompts NAME=JSONL (or --humaneval N)")
     settings = {}
