@@ -213,6 +213,20 @@ def test_unwritable_compile_cache_fails_its_check(tmp_path):
     assert check_cache_writable(tmp_path / "cache").ok is True
 
 
+def test_doctor_checks_the_compile_cache_training_uses(tmp_path, monkeypatch):
+    """flashdraft's own cache under XDG_CACHE_HOME, or the TORCHINDUCTOR_CACHE_DIR the user set; not
+    inductor's default, which training does not use."""
+    monkeypatch.setenv("COLUMNS", "400")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    monkeypatch.setattr(doctor, "check_flex_attention", lambda device: Check("flex_attention", True, "stub"))
+    result = invoke_doctor()
+    assert result.exit_code == 0 and f"{tmp_path / 'xdg' / 'flashdraft' / 'inductor'}/torch-" in result.output
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
+    result = invoke_doctor()
+    assert result.exit_code == 0 and f"{tmp_path / 'mine'} writable" in result.output
+
+
 def test_doctor_exits_non_zero_when_a_check_fails(tmp_path, monkeypatch):
     blocker = tmp_path / "file"
     blocker.write_text("")

@@ -111,12 +111,14 @@ def _number(v: Any) -> str:
 
 
 def health_checks() -> list[Check]:
+    import torch
 
     from flashdraft.model.target import default_device
-    from flashdraft.run.fingerprint import default_compile_cache_dir
+    from flashdraft.train.compile import cache_dir_for
 
     device = default_device()
-    return [check_gpu(), check_cache_writable(default_compile_cache_dir()), check_flex_attention(device)]
+    cache = cache_dir_for(None, torch.device(device))  # the one training compiles into
+    return [check_gpu(), check_cache_writable(cache), check_flex_attention(device)]
 
 
 def check_gpu() -> Check:

@@ -41,16 +41,29 @@ def default_cache_dir(device: torch.device) -> Path:
     return root / f"torch-{torch.__version__}-triton-{triton_version}-{kind}"
 
 
-def use_cache_dir(cache_dir: Path | None, device: torch.device) -> Path:
-    """Point inductor at a persistent cache: `cache_dir`, else a TORCHINDUCTOR_CACHE_DIR the user
-    set, else our default. Call before anything compiles (inductor reads it at first use)."""
-    from torch._inductor import config as inductor_config
+def _users_cache_dir() -> str | None:
+    """TORCHINDUCTOR_CACHE_DIR where it names other than inductor's own default."""
     from torch._inductor.runtime.runtime_utils import default_cache_dir as inductor_default
 
     user = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
-    if cache_dir is None and user and user != inductor_default():
-        return Path(user)
-    path = Path(cache_dir) if cache_dir else default_cache_dir(device)
+    return user if user and user != inductor_default() else None
+
+
+def cache_dir_for(cache_dir: Path | None, device: torch.device) -> Path:
+    """Where `use_cache_dir` points inductor, nothing created: `cache_dir`, else a TORCHINDUCTOR_CACHE_DIR
+    the user set, else our default."""
+    user = _users_cache_dir()
+    return Path(cache_dir) if cache_dir else Path(user) if user else default_cache_dir(device)
+
+
+def use_cache_dir(cache_dir: Path | None, device: torch.device) -> Path:
+    """Point inductor at a persistent cache (`cache_dir_for`); the user's own is left as it is. Call
+    before anything compiles (inductor reads it at first use)."""
+    from torch._inductor import config as inductor_config
+
+    path = cache_dir_for(cache_dir, device)
+    if cache_dir is None and _users_cache_dir():
+        return path
     path.mkdir(parents=True, exist_ok=True)
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(path)
     inductor_config.fx_graph_cache = True
