@@ -147,7 +147,11 @@ def gguf_architecture(path: str | Path, what: str) -> str | None:
             first = (version in (2, 3), key_len == len(key), head[28 : 28 + len(key)] == key)
             if all(first) and kind == gguf.GGUFValueType.STRING and size < 256:
                 return f.read(size).decode("utf-8", errors="replace")
-    field = read_gguf(path, what).fields.get("general.architecture")
+    return _architecture(read_gguf(path, what))
+
+
+def _architecture(reader: gguf.GGUFReader) -> str | None:
+    field = reader.fields.get("general.architecture")
     return field.contents() if field is not None else None
 
 
@@ -163,8 +167,7 @@ class TargetGGUF:
             )
         reader = read_gguf(path, "--target")
         self.path = path
-        field = reader.fields.get("general.architecture")
-        self.arch = field.contents() if field is not None else None
+        self.arch = _architecture(reader)
         if self.arch == ARCH:
             raise ValueError(f"--target {path}: a DFlash drafter's GGUF, not a target")
         self.fields = {k: f for k, f in reader.fields.items() if k.startswith("tokenizer.")}
