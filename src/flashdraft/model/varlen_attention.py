@@ -15,10 +15,11 @@ flash-attn package or kernels downloaded from the hub; torch (2.11 and later) sh
   itself), and transformers' own sdpa outside such a forward (decoding with a KV cache), with the mask
   transformers builds for sdpa (the "varlen" mask is sdpa's).
 
-The lengths reach the attention beside the model's arguments rather than through them, and the
-attention runs outside torch.compile (a graph break in each compiled target layer): the number of
-documents and the longest one change from batch to batch, and as inputs of a compiled layer each change
-would compile it again.
+The lengths reach the attention beside the model's arguments rather than through them. In a compiled
+target layer the kernel is part of the layer's graph, which must hold for every batch: the lengths are
+marked dynamic (the number of documents changes from batch to batch), and the longest document is given
+as the row's length, which bounds it (the kernel's early exit skips the query blocks past a document's
+end). Eager, the kernel gets the longest document itself.
 
 Not supported (an error, so that `train.target_attention: auto` refuses the candidate and says why):
 attention softcapping, attention sinks, dropout, non-causal attention. Whether it is faster than sdpa or
@@ -30,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+from collections.abc import Callable
 
 import torch
 from transformers import AttentionInterface
@@ -45,7 +47,8 @@ class Unsupported(NotImplementedError):
     candidate and names why; an explicit `varlen` stops with this message."""
 
 
-_documents: tuple[torch.Tensor, int] | None = None  # (cumulative lengths, longest) of the running forward
+# (cumulative lengths, longest document, row length, the kernel, its options) of the running forward
+_documents: tuple[torch.Tensor, int, int, Callable, dict] | None = None
 
 
 def available() -> bool:
@@ -54,7 +57,7 @@ def available() -> bool:
 
 
 @functools.cache
-def _kernel():  # looked up once: the attention of every layer asks
+def _kernel():  # looked up once: every forward asks
     try:
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:
@@ -85,16 +88,26 @@ def cumulative_lengths(
 
 @contextlib.contextmanager
 def documents(position_ids: torch.Tensor | None, shape: tuple[int, int], device):
-    """The documents of one packed forward, held for its attention calls while it runs."""
+    """The documents of one packed forward, held for its attention calls while it runs. Everything a
+    compiled layer must not trace is settled here: the lengths marked dynamic, the kernel's options."""
     global _documents
-    _documents = cumulative_lengths(position_ids, shape, device)
+    cu, longest = cumulative_lengths(position_ids, shape, device)
+    torch._dynamo.mark_dynamic(cu, 0)
+    kernel = _kernel()
+    if kernel is None:
+        raise Unsupported(f"torch {torch.__version__} has no torch.nn.attention.varlen")
+    # Grouped heads go in as they are: query head h reads key/value head h // groups, as transformers'
+    # repeat_kv lays them out. A torch with `enable_gqa` asks for the flag; torch 2.11's kernel has none
+    # and takes them unasked (dev/varlen_check.py on an H200: the output equal to that of heads repeated
+    # first, 0.395 against 0.574 ms for 4 rows of 3,072 tokens, 32 query and 4 key/value heads).
+    grouped = {"enable_gqa": True} if _takes(kernel, "enable_gqa") else {}
+    _documents = cu, longest, shape[1], kernel, grouped
     try:
         yield
     finally:
         _documents = None
 
 
-@torch.compiler.disable
 def varlen_attention(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -118,22 +131,15 @@ def varlen_attention(
             raise Unsupported(f"varlen attention has no {name}")
     if dropout or kwargs.get("is_causal") is False:
         raise Unsupported("varlen attention is causal and without dropout")
-    kernel = _kernel()
-    if kernel is None:
-        raise Unsupported(f"torch {torch.__version__} has no torch.nn.attention.varlen")
-    cu, longest = _documents
+    cu, longest, row, kernel, grouped = _documents
+    if torch.compiler.is_compiling():
+        longest = row  # what any batch's longest document is within: one graph for every cut
     batch, heads, length, dim = query.shape
     kv_heads = key.shape[1]
     q = query.transpose(1, 2).reshape(batch * length, heads, dim)
     k = key.transpose(1, 2).reshape(batch * length, kv_heads, dim)
     v = value.transpose(1, 2).reshape(batch * length, kv_heads, value.shape[-1])
-    options = {"scale": scaling}
-    # Grouped heads go in as they are: query head h reads key/value head h // groups, as transformers'
-    # repeat_kv lays them out. A torch with `enable_gqa` asks for the flag; torch 2.11's kernel has none
-    # and takes them unasked (dev/varlen_check.py on an H200: the output equal to that of heads repeated
-    # first, 0.395 against 0.574 ms for 4 rows of 3,072 tokens, 32 query and 4 key/value heads).
-    if kv_heads != heads and _takes(kernel, "enable_gqa"):
-        options["enable_gqa"] = True
+    options = {"scale": scaling, **(grouped if kv_heads != heads else {})}
     options["window_size"] = (-1 if sliding_window is None else sliding_window - 1, 0)
     out = kernel(q, k, v, cu, cu, longest, longest, **options)
     return out.reshape(batch, length, heads, out.shape[-1]), None
