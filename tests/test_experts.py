@@ -23,6 +23,27 @@ def test_gather_sum_experts_compute_the_models_own_experts(family):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+def test_experts_numbered_past_a_byte_sort_as_themselves():
+    """The pairs sort by a uint8 key up to 256 experts and an int16 key above: with 300 experts the
+    tokens routed to experts 256 and up are computed by those experts."""
+    from transformers import AutoModelForCausalLM
+
+    from families import family_config
+
+    config = family_config("qwen3_moe", 64, eos_token_id=1, pad_token_id=0)
+    config.num_experts = 300
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    for layer in model.model.layers:  # the other experts' logits 0: a token's best are 256 and up
+        layer.mlp.gate.weight.data[:256] = 0.0
+    ids = torch.randint(2, 64, (2, 24), generator=torch.Generator().manual_seed(0))
+    model.set_experts_implementation("eager")
+    with torch.no_grad():
+        want = model(ids).logits
+        set_target_experts(model, NAME)
+        torch.testing.assert_close(model(ids).logits, want, rtol=1e-5, atol=1e-5)
+
+
 def test_auto_takes_gather_sum_where_the_model_takes_grouped_mm_and_keeps_any_other():
     model = build("qwen3_moe", vocab_size=64, eos_token_id=1, pad_token_id=0)
     assert model.config._experts_implementation == "grouped_mm"  # transformers' default where it runs

@@ -32,9 +32,13 @@ def gather_sum_experts(
     from transformers.integrations.moe import _grouped_linear
 
     tokens, k = top_k_index.shape
-    expert_ids, order = torch.sort(top_k_index.reshape(-1))  # the token-expert pairs by expert
+    # the token-expert pairs by expert; the narrowest key sorts in the fewest radix passes (an int64 key
+    # takes eight on CUDA: 0.05 ms of a qwen3-30b-a3b layer, profiled on an H200)
+    narrow = torch.uint8 if self.num_experts <= 256 else torch.int16
+    keys, order = torch.sort(top_k_index.reshape(-1).to(narrow))
+    expert_ids = keys.int()  # an index (a uint8 tensor would index as a mask)
     rows = hidden_states[order // k]
-    counts_of = expert_ids.int() if rows.is_cuda else expert_ids.float()  # histc: int on CUDA, float on CPU
+    counts_of = expert_ids if rows.is_cuda else expert_ids.float()  # histc: int on CUDA, float on CPU
     counts = torch.histc(counts_of, bins=self.num_experts, min=0, max=self.num_experts - 1)
     offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
     up = "gate_up_proj" if self.has_gate else "up_proj"
