@@ -192,24 +192,45 @@ def flex_mask_mod(anchors: Anchors, doc_ids: torch.Tensor, block_size: int, wind
 
     window: a sliding-window layer, as the z-lab format and the reference package define one: causal
     (block slot q sees its own block's slots 0..q) and a key at most window - 1 positions before the
-    query (query at anchor + q)."""
-    s = doc_ids.shape[1]
-    index, valid = anchors.index, anchors.valid
+    query (query at anchor + q).
+
+    Every query sees two contiguous ranges of keys, one of the context and one of its own block
+    (`visible_ranges`): the mask_mod compares the key with the query's four bounds, read once per query
+    row of a tile, where a rule written out per key would also read each key's document."""
+    ctx_lo, ctx_hi, own_lo, own_hi = visible_ranges(anchors, doc_ids, block_size, window)
 
     def mask_mod(b, h, q_idx, kv_idx):
-        j = q_idx // block_size
-        anchor = index[b, j]
-        in_ctx = kv_idx < s
-        ctx_kv = torch.clamp(kv_idx, max=s - 1)
-        sees_ctx = in_ctx & (kv_idx < anchor) & (doc_ids[b, ctx_kv] == doc_ids[b, anchor])
-        sees_own_block = ~in_ctx & ((kv_idx - s) // block_size == j)
-        if window is not None:
-            q, t = q_idx % block_size, (kv_idx - s) % block_size
-            sees_ctx = sees_ctx & (anchor + q - kv_idx < window)
-            sees_own_block = sees_own_block & (t <= q) & (q - t < window)
-        return valid[b, j] & (sees_ctx | sees_own_block)
+        in_ctx = (kv_idx >= ctx_lo[b, q_idx]) & (kv_idx < ctx_hi[b, q_idx])
+        return in_ctx | ((kv_idx >= own_lo[b, q_idx]) & (kv_idx < own_hi[b, q_idx]))
 
     return mask_mod
+
+
+def visible_ranges(
+    anchors: Anchors, doc_ids: torch.Tensor, block_size: int, window: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The keys each query of [b, n*B] sees, as two half-open ranges (int32 [b, n*B] each): of the context,
+    [its document's start, the anchor), cut to the window; and of its own block, the whole block, or its
+    slots up to itself within the window. A padding block's ranges are empty. Documents lie whole and
+    contiguous in a row, as packing lays them."""
+    b, s = doc_ids.shape
+    n = anchors.index.shape[1]
+    pos = torch.arange(s, device=doc_ids.device).expand(b, s)
+    new_doc = torch.ones_like(doc_ids, dtype=torch.bool)
+    new_doc[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
+    doc_start = torch.cummax(torch.where(new_doc, pos, 0), dim=1).values
+    a = anchors.index[:, :, None]  # [b, n, 1]
+    slot = torch.arange(block_size, device=doc_ids.device)  # [B]
+    first = s + torch.arange(n, device=doc_ids.device)[:, None] * block_size  # [n, 1]: a block's first key
+    ctx_lo, ctx_hi = doc_start.gather(1, anchors.index)[:, :, None], a
+    own_lo, own_hi = first, first + block_size
+    if window is not None:
+        ctx_lo = torch.maximum(ctx_lo, a + slot - window + 1)
+        own_lo, own_hi = first + (slot - window + 1).clamp(min=0), first + slot + 1
+    ctx_lo, ctx_hi, own_lo, own_hi = torch.broadcast_tensors(ctx_lo, ctx_hi, own_lo, own_hi, slot)[:4]
+    valid = anchors.valid[:, :, None]
+    ranges = [torch.where(valid, x, 0) for x in (ctx_lo, ctx_hi, own_lo, own_hi)]
+    return tuple(x.reshape(b, n * block_size).to(torch.int32) for x in ranges)
 
 
 def structured_block_mask(
