@@ -80,7 +80,7 @@ def main() -> None:
     doc_ids, positions = documents(s, args.documents, dev)
     gen = torch.Generator().manual_seed(0)
     anchors = sample_anchors(torch.ones_like(doc_ids), doc_ids, bs, n, gen)
-    masks = {t: structured_block_mask(anchors, doc_ids, positions, bs, tile=t) for t in (64, 128)}
+    masks = {t: structured_block_mask(anchors, doc_ids, bs, tile=t) for t in (64, 128)}
     q_len, kv_len = n * bs, s + n * bs
     q = torch.randn(1, args.heads, q_len, args.head_dim, device=dev, dtype=torch.bfloat16)
     k = torch.randn(1, args.kv_heads, kv_len, args.head_dim, device=dev, dtype=torch.bfloat16)

@@ -184,7 +184,7 @@ def test_structured_block_mask_equals_create_block_mask(seed, tile):
     # one document: whole context tiles visible, and an anchor one short of a tile's end (127)
     anchors.index[1] = torch.cat([torch.tensor([127]), torch.arange(260, 260 + 31 * 7, 7)])
     anchors.valid[1] = True
-    mine = structured_block_mask(anchors, batch.doc_ids, batch.position_ids, BLOCK, tile=tile)
+    mine = structured_block_mask(anchors, batch.doc_ids, BLOCK, tile=tile)
     mod = flex_mask_mod(anchors, batch.doc_ids, BLOCK)
     ref = create_block_mask(mod, 3, None, 32 * BLOCK, 512 + 32 * BLOCK, device="cpu", BLOCK_SIZE=tile)
 
@@ -207,7 +207,7 @@ def test_a_sliding_structured_mask_attends_as_create_block_mask(window):
     torch.manual_seed(0)
     batch = packed_batch([[300, 150, 62], [512], [100, 200]], seq_len=512, seed=0)
     anchors = _anchors_near_the_end(batch, n=32)
-    mine = structured_block_mask(anchors, batch.doc_ids, batch.position_ids, BLOCK, window=window)
+    mine = structured_block_mask(anchors, batch.doc_ids, BLOCK, window=window)
     mod = flex_mask_mod(anchors, batch.doc_ids, BLOCK, window)
     ref = create_block_mask(mod, 3, None, 32 * BLOCK, 512 + 32 * BLOCK, device="cpu")
     q = torch.randn(3, 2, 32 * BLOCK, 16)

@@ -215,14 +215,10 @@ def visible_ranges(
     contiguous in a row, as packing lays them."""
     b, s = doc_ids.shape
     n = anchors.index.shape[1]
-    pos = torch.arange(s, device=doc_ids.device).expand(b, s)
-    new_doc = torch.ones_like(doc_ids, dtype=torch.bool)
-    new_doc[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
-    doc_start = torch.cummax(torch.where(new_doc, pos, 0), dim=1).values
     a = anchors.index[:, :, None]  # [b, n, 1]
     slot = torch.arange(block_size, device=doc_ids.device)  # [B]
     first = s + torch.arange(n, device=doc_ids.device)[:, None] * block_size  # [n, 1]: a block's first key
-    ctx_lo, ctx_hi = doc_start.gather(1, anchors.index)[:, :, None], a
+    ctx_lo, ctx_hi = document_starts(doc_ids).gather(1, anchors.index)[:, :, None], a
     own_lo, own_hi = first, first + block_size
     if window is not None:
         ctx_lo = torch.maximum(ctx_lo, a + slot - window + 1)
@@ -233,10 +229,17 @@ def visible_ranges(
     return tuple(x.reshape(b, n * block_size).to(torch.int32) for x in ranges)
 
 
+def document_starts(doc_ids: torch.Tensor) -> torch.Tensor:
+    """[b, S]: where each position's document starts (documents lie whole and contiguous in a row)."""
+    pos = torch.arange(doc_ids.shape[1], device=doc_ids.device).expand_as(doc_ids)
+    new_doc = torch.ones_like(doc_ids, dtype=torch.bool)
+    new_doc[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
+    return torch.cummax(torch.where(new_doc, pos, 0), dim=1).values
+
+
 def structured_block_mask(
     anchors: Anchors,
     doc_ids: torch.Tensor,
-    position_ids: torch.Tensor,
     block_size: int,
     tile: int = 128,
     window: int | None = None,
@@ -258,7 +261,7 @@ def structured_block_mask(
     group = tile // block_size  # draft blocks per query tile
     q_tiles, c_tiles = n // group, s // tile
     a = anchors.index
-    lo = a - position_ids.gather(1, a)  # the anchor's document starts here (positions restart per doc)
+    lo = document_starts(doc_ids).gather(1, a)  # the anchor's document starts here
     if window is not None:
         lo = torch.maximum(lo, a - window + 1)
     hi = torch.where(anchors.valid, a, lo)  # a padding block sees nothing
@@ -298,11 +301,10 @@ def flex_block_mask(
     doc_ids: torch.Tensor,
     block_size: int,
     compiled: bool,
-    position_ids: torch.Tensor,
     window: int | None = None,
 ) -> BlockMask:
     if fits_structured(doc_ids.shape[1], anchors.index.shape[1], block_size):
-        return structured_block_mask(anchors, doc_ids, position_ids, block_size, window=window)
+        return structured_block_mask(anchors, doc_ids, block_size, window=window)
     b, s = doc_ids.shape
     q_len = anchors.index.shape[1] * block_size
     build = _compiled_create_block_mask if compiled else create_block_mask

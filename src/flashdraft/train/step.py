@@ -150,7 +150,7 @@ def visibility_for(
         if attention == "flex":
             b = mb.batch
             return Visibility(
-                flex_block_mask(mb.anchors, b.doc_ids, block_size, compiled, b.position_ids, w), compiled
+                flex_block_mask(mb.anchors, b.doc_ids, block_size, compiled, w), compiled
             )
         return Visibility(dense_visibility(mb.anchors, mb.batch.doc_ids, block_size, w))
 
