@@ -149,9 +149,7 @@ def visibility_for(
     def one(w: int | None) -> Visibility:
         if attention == "flex":
             b = mb.batch
-            return Visibility(
-                flex_block_mask(mb.anchors, b.doc_ids, block_size, compiled, w), compiled
-            )
+            return Visibility(flex_block_mask(mb.anchors, b.doc_ids, block_size, compiled, w), compiled)
         return Visibility(dense_visibility(mb.anchors, mb.batch.doc_ids, block_size, w))
 
     if window is None:
