@@ -1,7 +1,8 @@
 """`flashdraft bench` for several configurations, each run N times interleaved (so that a drifting machine
 hits all alike), and one table of their medians: step, context tokens a second, MFU (against the matmul
 rate measured in each run), the target forward's share of peak, memory, and the target attention the
-run used.
+run used, and the last measured step's training loss (the seeds fix the weights and batches: two
+revisions whose numerics agree give the same).
 
     python benchmarks/bench_medians.py --out runs/medians --runs 3 \\
         --config qwen3-8b:--shape,qwen3-8b --config qwen3-8b-1doc:--shape,qwen3-8b,--documents,1 \\
@@ -37,6 +38,7 @@ COLUMNS = (
     ("mfu", "MFU", "{:.1%}"),
     ("target_forward_mfu", "target fwd", "{:.1%}"),
     ("peak_mem_gib", "GiB", "{:.1f}"),
+    ("last_loss", "last loss", "{:.5f}"),
 )
 
 
@@ -81,6 +83,8 @@ def table(out: Path, names: list[str]) -> list[str]:
     lines.append("|---" * (len(COLUMNS) + 3) + "|")
     for name in names:
         runs = [json.loads(p.read_text()) for p in sorted(out.glob(f"{name}.*.json"))]
+        for r in runs:  # the last measured step's loss: two revisions of one shape should agree
+            r["last_loss"] = r["losses"][-1] if r.get("losses") else None
         if not runs:
             lines.append(f"| {name} | 0 |" + " |" * (len(COLUMNS) + 1))
             continue

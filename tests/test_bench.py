@@ -39,8 +39,14 @@ def _bench_tiny(tmp_path, steps: int, *options: str) -> tuple[str, dict]:
 
 
 def test_bench_tiny_reports_throughput_mfu_and_phases(tmp_path):
-    _, r = _bench_tiny(tmp_path, 2, "--recompute-logits", "--profile", str(tmp_path / "prof"))
+    out, r = _bench_tiny(tmp_path, 2, "--recompute-logits", "--profile", str(tmp_path / "prof"))
     assert r["settings"]["recompute_logits"] is True  # the option reached the trainer
+    # each measured step's loss: the seeds fix weights and batches, so a second run trains alike
+    (tmp_path / "again").mkdir()
+    _, again = _bench_tiny(tmp_path / "again", 2)
+    assert len(r["losses"]) == 2 and r["losses"][0] != r["losses"][1]
+    assert again["losses"] == pytest.approx(r["losses"], rel=1e-5)
+    assert f"{r['losses'][0]:.5f} / {r['losses'][1]:.5f}" in out
     assert r["ctx_tok_s"] > 0 and r["draft_pos_s"] > 0 and 0 < r["mfu"] < 1
     assert 0.1 < r["peak_mem_gib"] < 24  # on a CPU, the process's peak resident memory
     # the target forward's own share of peak: its FLOPs over its phase's time
@@ -232,16 +238,17 @@ def test_bench_refuses_to_profile_several_processes(tmp_path):
 def test_bench_medians_tabulates_the_median_of_each_configurations_runs(tmp_path):
     from benchmarks.bench_medians import table
 
-    def result(step_ms, attention):
+    def result(step_ms, attention, losses=()):
         return {"step_ms": step_ms, "ctx_tok_s": 6144 / step_ms * 1000, "mfu": 0.7,
                 "target_forward_mfu": None, "peak_mem_gib": 44.8,
-                "settings": {"target_attention": attention}}  # fmt: skip
+                "settings": {"target_attention": attention}, "losses": list(losses)}  # fmt: skip
 
     for k, step in enumerate([410.0, 400.0, 430.0], 1):
-        (tmp_path / f"packed.{k}.json").write_text(json.dumps(result(step, "flex_attention")))
+        losses = [12.0, 11.5 - k]  # the column: the median of the runs' last losses
+        (tmp_path / f"packed.{k}.json").write_text(json.dumps(result(step, "flex_attention", losses)))
     (tmp_path / "one.1.json").write_text(json.dumps(result(300.0, "sdpa")))
     lines = table(tmp_path, ["packed", "one", "missing"])
-    assert lines[2] == "| packed | 3 | 410.0 | 14,985 | 70.0% |  | 44.8 | flex_attention |"
+    assert lines[2] == "| packed | 3 | 410.0 | 14,985 | 70.0% |  | 44.8 | 9.50000 | flex_attention |"
     assert lines[3].startswith("| one | 1 | 300.0 | 20,480 |") and lines[4].startswith("| missing | 0 |")
 
 
@@ -280,8 +287,8 @@ def test_bench_medians_runs_the_peer_each_round_and_tabulates_it_without_a_targe
     ]
     assert peers[0][2:-2] == ["--steps", "5", "--architecture", "dflash"]  # not the bench-only option
     lines = capsys.readouterr().out.strip().splitlines()
-    assert lines[2] == "| ours | 2 | 400.0 | 15,360 | 70.0% | 60.0% | 80.0 | sdpa |"
-    assert lines[3] == "| peer-spec | 2 | 200.0 | 30,720 | 45.0% |  | 80.0 | none (peer drafter alone) |"
+    assert lines[2] == "| ours | 2 | 400.0 | 15,360 | 70.0% | 60.0% | 80.0 |  | sdpa |"
+    assert lines[3] == "| peer-spec | 2 | 200.0 | 30,720 | 45.0% |  | 80.0 |  | none (peer drafter alone) |"
 
 
 def test_bench_medians_runs_a_configuration_on_the_package_its_source_names(tmp_path, monkeypatch):

@@ -244,6 +244,9 @@ class BenchResult:
     # (None where the drafter ranks do not run the target: split layouts)
     target_forward_mfu: float | None = None
     compile_seconds: dict = field(default_factory=dict)  # compile_seconds(): where the warm-up's time went
+    # each measured step's training loss (weighted CE over the step's weight sum): the seeds fix the
+    # weights and batches, so two revisions' runs of one shape train alike unless their numerics differ
+    losses: list = field(default_factory=list)
 
 
 def run_bench(
@@ -321,8 +324,8 @@ def run_bench(
         trainer.close()
     if not topo.is_main:
         return None
-    first_step, first_phases, times, positions, phases = (
-        r[k] for k in ("first_step", "first_phases", "times", "positions", "phases")
+    first_step, first_phases, times, positions, phases, losses = (
+        r[k] for k in ("first_step", "first_phases", "times", "positions", "phases", "losses")
     )
     drafters = topo.num_drafters
     step_s = statistics.median(times)
@@ -359,6 +362,7 @@ def run_bench(
         first_step_phases_ms=first_phases,
         compile_report=trainer.compile_report.line() if trainer.compile_report else "not compiled",
         compile_seconds=compile_seconds(),
+        losses=losses,
         steps=steps,
         settings={
             "recompute_logits": trainer.cfg.recompute_logits,
@@ -413,7 +417,7 @@ def _drafter_bench(
         remote = trainer.remote
         waited = remote.wait_s if remote else 0.0
         t_measure = time.perf_counter()
-        times, positions, phases = _measure(trainer, steps, dev)
+        times, positions, phases, losses = _measure(trainer, steps, dev)
         wall = time.perf_counter() - t_measure
         if profile is not None:
             _profile(trainer, dev, profile)
@@ -425,6 +429,7 @@ def _drafter_bench(
         times=times,
         positions=positions,
         phases=phases,
+        losses=losses,
         drafter_busy=1 - trainer.topo.drafter_max(remote.wait_s - waited) / wall if remote else None,
         target_busy=remote.target_busy if remote else None,
     )
@@ -517,7 +522,7 @@ def _rank_info(topo, dev, startup: float, first_step: float | None, report=None)
 
 
 def _measure(trainer: Trainer, steps: int, dev: torch.device):
-    times, positions, phases = [], [], []
+    times, positions, phases, losses = [], [], [], []
     timer = PhaseTimer(enabled=True, device=dev)
     for _ in range(steps):
         timer.reset()
@@ -527,4 +532,5 @@ def _measure(trainer: Trainer, steps: int, dev: torch.device):
         times.append(time.perf_counter() - t0)
         positions.append(int(stats.draft_positions))
         phases.append(timer.milliseconds())
-    return times, positions, phases
+        losses.append(float(trainer.topo.drafter_sum_(stats.loss_sum.clone()) / stats.weight_sum))
+    return times, positions, phases, losses

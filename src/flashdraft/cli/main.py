@@ -526,6 +526,7 @@ def bench(
         ("MFU", f"{100 * r.mfu:.1f}%"),
         *target,
         ("peak memory" + (" (process)" if r.device == "cpu" else ""), f"{r.peak_mem_gib:.1f} GiB"),
+        ("loss, first / last measured step", f"{r.losses[0]:.5f} / {r.losses[-1]:.5f}"),
         ("start-up / first step", f"{r.startup_s:.1f} s / {r.first_step_s:.1f} s"),
         ("compile", r.compile_report),
         ("settings", ", ".join(f"{k} {v}" for k, v in r.settings.items())),
