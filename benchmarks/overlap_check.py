@@ -1,9 +1,11 @@
-"""Would the optimizer hide under the next step's target forward? One question, timed on the GPU before
-building anything: `flashdraft bench`'s trainer at a shape, warmed up, then the target forward of one
-micro-batch alone, the optimizer phase alone (grad-norm clip + fused AdamW over gradients set to
-noise), and both at once (the optimizer on a second stream). Medians of --iters, host-timed after a sync.
+"""How much of the optimizer phase hides under the target forward when the two run on separate streams.
 
-    PYTHONPATH=src python dev/overlap_check.py --shape qwen3-8b [--iters 7]
+It sets up what `flashdraft bench` sets up for a shape (standing in for the bench's measuring function),
+warms up, then times the target forward of one micro-batch alone, the optimizer phase alone (the
+gradient-norm clip and fused AdamW, over gradients set to noise), and both at once with the optimizer
+on a second stream. Each figure is a median of --iters, timed on the host around a device sync.
+
+    python benchmarks/overlap_check.py --shape qwen3-8b [--iters 7]
 """
 
 import argparse
