@@ -9,25 +9,17 @@ on a second stream. Each figure is a median of --iters, timed on the host around
 """
 
 import argparse
-import statistics
-import time
 
 import torch
 
 import flashdraft.bench as bench
 from flashdraft.distributed.parallel import clip_divisor
+from flashdraft.train.target_attention import _median_ms
 from flashdraft.train.timing import NULL_TIMER
 
 
 def timed(fn, iters: int) -> float:
-    out = []
-    for _ in range(iters + 1):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        out.append(1000 * (time.perf_counter() - t0))
-    return statistics.median(out[1:])
+    return _median_ms(fn, iters, warmup=1)[0]
 
 
 def experiment(iters: int):

@@ -532,5 +532,5 @@ def _measure(trainer: Trainer, steps: int, dev: torch.device):
         times.append(time.perf_counter() - t0)
         positions.append(int(stats.draft_positions))
         phases.append(timer.milliseconds())
-        losses.append(float(trainer.topo.drafter_sum_(stats.loss_sum.clone()) / stats.weight_sum))
+        losses.append(trainer.step_loss(stats))
     return times, positions, phases, losses

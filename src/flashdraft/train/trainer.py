@@ -279,6 +279,10 @@ class Trainer:
         self.step = step
         return stats
 
+    def step_loss(self, stats: StepStats) -> float:
+        """A step's training loss over every drafter rank (a collective: each drafter rank asks)."""
+        return float(self.topo.drafter_sum_(stats.loss_sum.clone()) / stats.weight_sum)
+
     def train_step_guarded(self, timer: PhaseTimer = NULL_TIMER) -> StepStats:
         """train_step; the first compiled one is the warm-up, after which recompiling is an error."""
         if not self.compiled:
@@ -372,7 +376,7 @@ class Trainer:
                     at = early_save_step(first_step, first_done - started, time.time() - first_done)
                     early = int(self.topo.drafter_max(float(at)))
                 if step == 1:
-                    first = float(self.topo.drafter_sum_(stats.loss_sum.clone()) / stats.weight_sum)
+                    first = self.step_loss(stats)
                 if self.tau_probe is not None and (step % cfg.eval_every == 0 or step == self.total_steps):
                     self.pending |= self.measure_tau()
                 if self.val_loader is not None and (
