@@ -50,6 +50,7 @@ def test_a_recompile_after_warm_up_stops_the_run_with_a_clear_message(tmp_path, 
         docs = random_docs([150, 100], seed=2, prompt_len=10)
         odd = collate_rows([[d] for d in docs], 160, pad_token_id=0)  # a row length the warm-up never saw
         trainer.features.stream = {trainer.step: odd, trainer.step + 1: odd}  # micro-batch m = step - 1
+        trainer.ahead = None  # fetched from the old stream at the end of the last step
         with pytest.raises(RecompileError, match="recompile after warm-up"):
             trainer.train_step_guarded()
     finally:

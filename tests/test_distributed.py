@@ -149,9 +149,13 @@ from flashdraft.train.build import build_trainer
 target, data, out, cfg = sys.argv[1:]
 cfg = resolve_config(yaml_path=cfg, fsdp=True, save_every=1)
 trainer = build_trainer(cfg, target, data, out, device="cpu")
-features = trainer.target.features
-bad = lambda: trainer.topo.rank == 1 and trainer.step + 1 == 2  # one rank's batch of step 2 is corrupt
-trainer.target.features = lambda *a, **k: features(*a, **k) * (float("nan") if bad() else 1.0)
+get, corrupt = trainer.features.get, trainer.micro_indices(2)  # rank 1's batch of step 2 is corrupt
+
+def poisoned(m, *a):
+    batch, feats, *rest = get(m, *a)
+    return batch, feats * (float("nan") if trainer.topo.rank == 1 and m in corrupt else 1.0), *rest
+
+trainer.features.get = poisoned
 trainer.run()
 trainer.close()
 """

@@ -115,14 +115,15 @@ def test_resume_without_a_checkpoint_is_an_error(tmp_path, tiny_target_dir, data
 
 
 def _poison(trainer, steps: set[int]):
-    """Make the target's features NaN at the given steps (1-based), as a corrupt batch would."""
-    features = trainer.target.features
+    """Make the target's features NaN at the given steps (1-based), as a corrupt batch would: those of
+    the steps' micro-batches, whenever the target computes them."""
+    get, corrupt = trainer.features.get, {m for s in steps for m in trainer.micro_indices(s)}
 
-    def poisoned(*args, **kwargs):
-        out = features(*args, **kwargs)
-        return out * float("nan") if trainer.step + 1 in steps else out
+    def poisoned(m, *args):
+        batch, feats, *rest = get(m, *args)
+        return batch, feats * float("nan") if m in corrupt else feats, *rest
 
-    trainer.target.features = poisoned
+    trainer.features.get = poisoned
 
 
 def test_non_finite_steps_are_skipped_and_a_run_of_them_stops_at_the_last_good_state(

@@ -536,3 +536,41 @@ def test_a_step_clips_the_gradients_as_clip_grad_norm_does(tmp_path, tiny_target
     for r, p in zip(reference, params, strict=True):
         torch.testing.assert_close(p.detach(), r.detach(), rtol=1e-5, atol=1e-7)
     trainer.close()
+
+
+@pytest.mark.parametrize("device", ["cpu"] + ["cuda"] * torch.cuda.is_available())
+@pytest.mark.parametrize("grad_accum", [1, 2])
+def test_the_next_steps_target_forward_runs_at_the_end_of_a_step_and_changes_nothing(
+    tmp_path, tiny_target_dir, token_data_dir, grad_accum, device
+):
+    """Each step ends with the target forward of the next step's first micro-batch (on a GPU beside the
+    optimizer, on a stream of its own): every micro-batch goes through the target once, the last step
+    fetches nothing, and the weights and losses equal those of steps that fetch their own, one thing
+    after another on one stream."""
+    from flashdraft.config import resolve_config
+    from flashdraft.train.build import build_trainer
+
+    over = {"max_steps": 3, "drafter.num_layers": 1, "grad_accum": grad_accum}
+    cfg = resolve_config("tiny_cpu", **over)
+    runs = {}
+    for prefetch in (True, False):
+        trainer = build_trainer(
+            cfg, tiny_target_dir, token_data_dir, tmp_path / f"run{prefetch}", device=device
+        )
+        assert (trainer.update_stream is not None) == (device == "cuda")
+        if not prefetch:
+            trainer.prefetch, trainer.update_stream = False, None
+        fetched = []
+        get = trainer.features.get
+        trainer.features.get = lambda m, *a, get=get, fetched=fetched: fetched.append(m) or get(m, *a)
+        losses = []
+        for step in range(1, 4):
+            losses.append(trainer.train_step().loss_sum.clone())
+            expected = trainer.micro_indices(step + 1)[0] if prefetch and step < 3 else None
+            assert (trainer.ahead[0] if trainer.ahead else None) == expected
+        assert fetched == list(range(3 * grad_accum))
+        runs[prefetch] = losses, [p.detach().clone() for p in trainer.drafter.parameters()]
+        trainer.close()
+    for a, b in zip(runs[True][1], runs[False][1], strict=True):
+        assert torch.equal(a, b)
+    assert torch.equal(torch.stack(runs[True][0]), torch.stack(runs[False][0]))

@@ -215,6 +215,14 @@ class Trainer:
             self.features = ReceivedFeatures(self.remote)
         else:
             self.features = LocalFeatures(stream, target, self.device, final=self.spec.kernels.distill > 0)
+        # The next step's first micro-batch goes through the target at the end of a step, after the
+        # optimizer is launched (the target reads nothing the optimizer writes). One process on a GPU
+        # runs the optimizer on a stream of its own, so that the target's matmuls fill the GPU beside
+        # its memory-bound kernels; elsewhere the two run in turn.
+        self.prefetch = not self.remote
+        alone = self.topo.world_size == 1 and self.device.type == "cuda"
+        self.update_stream = torch.cuda.Stream(self.device) if alone and self.prefetch else None
+        self.ahead: tuple | None = None  # (global micro-batch, what _micro_batch gave) of the next step
         if resume:
             self.step = self.checkpoints.resume()
 
@@ -235,11 +243,15 @@ class Trainer:
         ]
 
     def _micro_batch(self, m: int, next_m: int | None, timer: PhaseTimer):
+        ahead, self.ahead = self.ahead, None
+        if ahead is not None and ahead[0] == m:
+            return ahead[1]
         batch, feats, teacher, ctx_tokens = self.features.get(m, next_m, timer)
         return self.spec.plan(batch, m, feats, teacher), ctx_tokens
 
     def train_step(self, timer: PhaseTimer = NULL_TIMER) -> StepStats:
-        """One optimizer step over this rank's micro-batches; returns device tensors (no host sync)."""
+        """One optimizer step over this rank's micro-batches; returns device tensors (no host sync). Unless
+        it is the last, the step ends with the target forward of the next step's first micro-batch."""
         cfg = self.cfg
         step = self.step + 1
         indices = self.micro_indices(step)
@@ -261,7 +273,11 @@ class Trainer:
                 with timer("backward"):
                     (out.weighted_ce * scale / weight_sum).backward()
             stats.add(out, mb)
-        with timer("optimizer"):
+        update = self.update_stream
+        if update is not None:  # the gradients are the backward's, on the main stream
+            update.wait_stream(torch.cuda.current_stream(self.device))
+        on_update = torch.cuda.stream(update) if update is not None else contextlib.nullcontext()
+        with on_update, timer("optimizer"):
             # clipped inside fused AdamW's own kernel: it divides the gradients by its grad_scale
             stats.grad_norm, self.optimizer.grad_scale = clip_divisor(
                 self.drafter.parameters(), cfg.optim.grad_clip
@@ -273,8 +289,12 @@ class Trainer:
             self.bad_run = (self.bad_run + 1) * bad
             self.skipped += bad
             self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
-            self.scheduler.step()
+        if self.prefetch and following is not None:
+            self.ahead = (following, self._micro_batch(following, None, timer))
+        if update is not None:  # the step ends with the weights updated, whoever reads them next
+            torch.cuda.current_stream(self.device).wait_stream(update)
+        self.optimizer.zero_grad(set_to_none=True)  # after the wait: the optimizer has read them
+        self.scheduler.step()
         stats.weight_sum = weight_sum
         self.step = step
         return stats
