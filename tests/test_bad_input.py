@@ -6,6 +6,7 @@ import json
 import signal
 
 import pytest
+import torch
 from typer.testing import CliRunner
 
 from flashdraft.cli.main import app
@@ -178,6 +179,30 @@ def test_ctrl_c_stops_after_the_step_saves_and_the_run_resumes(tmp_path, tiny_ta
         (out / "result.json").read_text(), parse_constant=lambda c: pytest.fail(f"{c} in JSON")
     )
     assert result["first_loss"] is None and result["steps"] == 6  # the resumed run never saw step 1
+
+
+def test_running_out_of_device_memory_names_the_rows_and_the_last_checkpoint(
+    tmp_path, tiny_target_dir, data_dir, monkeypatch
+):
+    """The allocator's error becomes one line: the step, the setting that sizes a step's memory, what to
+    change, and the checkpoint that is safe; exit 1."""
+    from flashdraft.train import trainer as trainer_module
+
+    step = trainer_module.Trainer.train_step
+
+    def short_of_memory(self, timer=trainer_module.NULL_TIMER):
+        if self.step == 1:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 9.27 GiB\nmore detail")
+        return step(self, timer)
+
+    monkeypatch.setattr(trainer_module.Trainer, "train_step", short_of_memory)
+    out = tmp_path / "run"
+    result = _train("--target", str(tiny_target_dir), "--data", str(data_dir), "--out", str(out),
+                    "--max-steps", "3", "--save-every", "1", tmp_path=tmp_path)  # fmt: skip
+    assert result.exit_code == 1
+    assert "out of device memory in step 2 with data.rows_per_batch " in result.output
+    assert "(CUDA out of memory. Tried to allocate 9.27 GiB): lower data.rows_per_batch" in result.output
+    assert f"the last complete checkpoint: {out / 'checkpoints' / 'step_000001'}" in result.output
 
 
 def test_an_interrupt_that_saves_nothing_still_names_the_last_checkpoint(tmp_path, tiny_target_dir, data_dir,

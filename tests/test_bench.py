@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from typer.testing import CliRunner
 
 from flashdraft.bench import DEFAULT_ROWS, SyntheticStream, phase_table, shape_config
@@ -121,6 +122,21 @@ def test_bench_packs_documents_as_real_data_does(tmp_path):
     assert r["documents"] == 4 and "4 documents a row" in output
     result = CliRunner().invoke(app, ["bench", "--shape", "tiny", "--seq-len", "128", "--documents", "5"])
     assert result.exit_code != 0 and "documents: 1 to 4 a row of 128 tokens, not 5" in result.output
+
+
+def test_bench_out_of_device_memory_names_the_rows(monkeypatch):
+    import flashdraft.bench
+
+    def short(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 4.64 GiB\nmore detail")
+
+    monkeypatch.setattr(flashdraft.bench, "run_bench", short)
+    result = CliRunner().invoke(app, ["bench", "--shape", "qwen3-30b-a3b", "--rows-per-batch", "4"])
+    assert result.exit_code == 1
+    assert (
+        "out of device memory with --rows-per-batch 4 (CUDA out of memory. Tried to allocate 4.64 GiB): "
+        "give fewer --rows-per-batch"
+    ) in result.output
 
 
 def test_bench_with_an_fp8_target_measures_the_fp8_rate_for_its_mfu(tmp_path):

@@ -143,6 +143,8 @@ def train(
             from flashdraft.data.progress import quiet_libraries
 
             quiet_libraries()
+        import torch
+
         from flashdraft.config import resolve_run_config
         from flashdraft.model.checkpoint import latest_checkpoint
         from flashdraft.train.build import build
@@ -209,6 +211,17 @@ def train(
             trainer.close()
             last = latest_checkpoint(Path(out) / "checkpoints")
             _fail(f"{e}; the last complete checkpoint: {last or 'none'}", code=1)
+        except torch.OutOfMemoryError as e:  # named with the setting that sizes a step's memory
+            step, data = trainer.step + 1, cfg.data
+            trainer.close()
+            last = latest_checkpoint(Path(out) / "checkpoints")
+            _fail(
+                f"out of device memory in step {step} with data.rows_per_batch {data.rows_per_batch} of "
+                f"data.seq_len {data.seq_len} tokens ({str(e).splitlines()[0]}): lower "
+                "data.rows_per_batch and raise train.grad_accum to keep a step's tokens; the last complete "
+                f"checkpoint: {last or 'none'}",
+                code=1,
+            )
     except Terminated:  # start-up, the end of a run, or a run of several ranks: nothing saved now
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a repeated one would cut the mirror's wait short
         on_main = trainer is not None and trainer.topo.is_main
@@ -474,6 +487,7 @@ def bench(
     from flashdraft.distributed.topology import pin_local_gpu
 
     pin_local_gpu()
+    import torch
     from rich.console import Console
     from rich.table import Table
 
@@ -503,6 +517,9 @@ def bench(
         )
     except ValueError as e:
         _fail(str(e))
+    except torch.OutOfMemoryError as e:
+        rows = f"--rows-per-batch {rows_per_batch}" if rows_per_batch else "the shape's default rows"
+        _fail(f"out of device memory with {rows} ({str(e).splitlines()[0]}): give fewer --rows-per-batch", 1)
     if r is None:
         return  # not the main rank
     title = f"flashdraft bench {r.shape}, {r.layout} on {r.world_size} x {r.device} (torch {r.torch})"
