@@ -56,6 +56,9 @@ def test_bench_tiny_reports_throughput_mfu_and_phases(tmp_path):
     assert r["documents"] == 4  # six by default, as many of 32 tokens as a row of 128 holds
     seconds, peak = r["phases_ms"]["target_forward"] / 1000, r["matmul_tflops"] * 1e12
     assert r["target_forward_mfu"] == pytest.approx(target["target"] / seconds / peak, rel=1e-6)
+    # one stream on a CPU: the label says the optimizer ran beside the forward only when it did
+    assert r["settings"]["optimizer_beside_target"] is False
+    assert f"target forward, of peak │ {100 * r['target_forward_mfu']:.1f}%" in " ".join(out.split())
     phases = {"target_forward", "block_mask", "drafter_forward", "loss_forward", "backward", "optimizer"}
     assert phases <= set(r["phases_ms"])
     # --profile: the trace names each phase, and the ops table gives the matmuls with their shapes

@@ -376,6 +376,7 @@ def run_bench(
             "drafter_layers": drafter_layers,
             "architecture": architecture,
             "target_layers_run": kept,
+            "optimizer_beside_target": trainer.update_stream is not None,  # its span includes the optimizer
         },
         layout=str(topo.layout),
         world_size=topo.world_size,

@@ -531,7 +531,8 @@ def bench(
         [("FP8 matmul peak TFLOP/s (same run)", f"{r.fp8_matmul_tflops:.1f}")] if r.fp8_matmul_tflops else []
     )
     tgt = r.target_forward_mfu
-    target = [("target forward, of peak", f"{100 * tgt:.1f}%")] if tgt else []
+    beside = " (the optimizer beside it)" if r.settings.get("optimizer_beside_target") else ""
+    target = [(f"target forward, of peak{beside}", f"{100 * tgt:.1f}%")] if tgt else []
     rows = [
         ("rows x tokens a step", f"{r.rows_per_batch} x {r.seq_len}, {r.documents} documents a row"),
         ("step (median)", f"{r.step_ms:.1f} ms"),
