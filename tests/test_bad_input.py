@@ -204,6 +204,15 @@ def test_running_out_of_device_memory_names_the_rows_and_the_last_checkpoint(
     assert "(CUDA out of memory. Tried to allocate 9.27 GiB): lower data.rows_per_batch" in result.output
     assert f"the last complete checkpoint: {out / 'checkpoints' / 'step_000001'}" in result.output
 
+    def no_room(cfg):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 60.00 GiB\nmore detail")
+
+    monkeypatch.setattr("flashdraft.train.build.build", no_room)
+    result = _train("--target", str(tiny_target_dir), "--data", str(data_dir), "--out", str(tmp_path / "b"),
+                    tmp_path=tmp_path)  # fmt: skip
+    assert result.exit_code == 1 and "out of device memory loading the target and the drafter (CUDA out of " \
+        "memory. Tried to allocate 60.00 GiB)" in result.output  # fmt: skip
+
 
 def test_an_interrupt_that_saves_nothing_still_names_the_last_checkpoint(tmp_path, tiny_target_dir, data_dir,
                                                                          monkeypatch):  # fmt: skip

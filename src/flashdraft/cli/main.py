@@ -190,6 +190,8 @@ def train(
             trainer.check_slice(None, deadline)
         except (ValueError, OSError) as e:
             _fail(str(e))
+        except torch.OutOfMemoryError as e:
+            _fail(f"out of device memory loading the target and the drafter ({str(e).splitlines()[0]})", 1)
         try:
             result = _run_with_progress(trainer, cfg.log_every, until, deadline, started)
         except Preempted as e:
