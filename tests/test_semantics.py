@@ -175,8 +175,9 @@ def test_slot_weights():
 
 @pytest.mark.parametrize("seed,tile", [(0, 128), (1, 128), (0, 64)])
 def test_structured_block_mask_equals_create_block_mask(seed, tile):
-    """The hand-built BlockMask has the same partial and full tiles as flex's own builder."""
-    from torch.nn.attention.flex_attention import create_block_mask
+    """The hand-built BlockMask has the same partial and full tiles as flex's own builder, seen from the
+    queries (the forward) and from the keys (the backward)."""
+    from torch.nn.attention.flex_attention import _transpose_ordered, create_block_mask
 
     torch.manual_seed(seed)
     batch = packed_batch([[300, 150, 62], [512], [100, 200]], seq_len=512, seed=seed)
@@ -196,6 +197,21 @@ def test_structured_block_mask_equals_create_block_mask(seed, tile):
         ref.full_kv_num_blocks, ref.full_kv_indices
     )
     assert any(any(row) for row in tiles(mine.full_kv_num_blocks, mine.full_kv_indices))  # full tiles exist
+    # the backward's view, each key tile's query tiles: flex's own builder's, and exactly flex's transpose
+    # of the forward's view (the order of the indices included)
+    assert tiles(mine.q_num_blocks, mine.q_indices) == tiles(ref.q_num_blocks, ref.q_indices)
+    assert tiles(mine.full_q_num_blocks, mine.full_q_indices) == tiles(
+        ref.full_q_num_blocks, ref.full_q_indices
+    )
+    for kv, q in (
+        ((mine.kv_num_blocks, mine.kv_indices), (mine.q_num_blocks, mine.q_indices)),
+        (
+            (mine.full_kv_num_blocks, mine.full_kv_indices),
+            (mine.full_q_num_blocks, mine.full_q_indices),
+        ),
+    ):
+        for got, want in zip(q, _transpose_ordered(*kv), strict=True):
+            assert got.dtype == want.dtype and torch.equal(got, want)
 
 
 @pytest.mark.parametrize("window", [5, 200])

@@ -283,13 +283,12 @@ def structured_block_mask(
         order = torch.argsort((~m).to(torch.int8), dim=-1, stable=True)
         return m.sum(-1, dtype=torch.int32), order.to(torch.int32)
 
-    return BlockMask.from_kv_blocks(
-        *indices(partial),
-        *indices(full),
-        BLOCK_SIZE=tile,
-        mask_mod=flex_mask_mod(anchors, doc_ids, block_size, window),
-        seq_lengths=(n * block_size, s + n * block_size),
-    )
+    # the backward's view, each key tile's query tiles, from the same tiles (BlockMask.from_kv_blocks
+    # would rebuild them from the indices under two vmaps: half the mask's host time)
+    by_q = (*indices(partial), *indices(full))
+    by_kv = (*indices(partial.transpose(-2, -1)), *indices(full.transpose(-2, -1)))
+    mask_mod = flex_mask_mod(anchors, doc_ids, block_size, window)
+    return BlockMask((n * block_size, s + n * block_size), *by_q, *by_kv, (tile, tile), mask_mod)
 
 
 def fits_structured(seq_len: int, num_blocks: int, block_size: int, tile: int = 128) -> bool:
