@@ -27,6 +27,11 @@ INTERRUPTED = 130
 PREEMPTED = 143
 
 
+def _first_line(e: BaseException) -> str:
+    """An error's first line: torch's out-of-memory message goes on with the allocator's statistics."""
+    return next(iter(str(e).splitlines()), type(e).__name__)
+
+
 def _fail(message: str, code: int = 2) -> None:
     typer.echo(f"error: {message}", err=True)
     raise typer.Exit(code)
@@ -191,7 +196,7 @@ def train(
         except (ValueError, OSError) as e:
             _fail(str(e))
         except torch.OutOfMemoryError as e:
-            _fail(f"out of device memory loading the target and the drafter ({str(e).splitlines()[0]})", 1)
+            _fail(f"out of device memory loading the target and the drafter ({_first_line(e)})", 1)
         try:
             result = _run_with_progress(trainer, cfg.log_every, until, deadline, started)
         except Preempted as e:
@@ -219,7 +224,7 @@ def train(
             last = latest_checkpoint(Path(out) / "checkpoints")
             _fail(
                 f"out of device memory in step {step} with data.rows_per_batch {data.rows_per_batch} of "
-                f"data.seq_len {data.seq_len} tokens ({str(e).splitlines()[0]}): lower "
+                f"data.seq_len {data.seq_len} tokens ({_first_line(e)}): lower "
                 "data.rows_per_batch and raise train.grad_accum to keep a step's tokens; the last complete "
                 f"checkpoint: {last or 'none'}",
                 code=1,
@@ -521,7 +526,7 @@ def bench(
         _fail(str(e))
     except torch.OutOfMemoryError as e:
         rows = f"--rows-per-batch {rows_per_batch}" if rows_per_batch else "the shape's default rows"
-        _fail(f"out of device memory with {rows} ({str(e).splitlines()[0]}): give fewer --rows-per-batch", 1)
+        _fail(f"out of device memory with {rows} ({_first_line(e)}): give fewer --rows-per-batch", 1)
     if r is None:
         return  # not the main rank
     title = f"flashdraft bench {r.shape}, {r.layout} on {r.world_size} x {r.device} (torch {r.torch})"
