@@ -13,7 +13,7 @@ from flashdraft.data.packing import save_token_dataset
 from flashdraft.model.checkpoint import latest_checkpoint, load_drafter, save_checkpoint
 from flashdraft.model.drafter import Visibility
 from flashdraft.train.mask import choose_mask_token
-from flashdraft.train.step import Kernels, micro_step_loss, plan_micro_batch
+from flashdraft.train.step import Kernels, block_visibility, micro_step_loss, plan_micro_batch
 from flashdraft.train.trainer import cosine_lr, resolve_attention
 from helpers import BLOCK, GAMMA, MASK_ID, packed_batch, random_docs, target_and_drafter
 
@@ -538,6 +538,10 @@ def test_a_step_clips_the_gradients_as_clip_grad_norm_does(tmp_path, tiny_target
     trainer.close()
 
 
+def _dense(mask) -> torch.Tensor:
+    return mask.to_dense() if hasattr(mask, "to_dense") else mask
+
+
 @pytest.mark.parametrize("device", ["cpu"] + ["cuda"] * torch.cuda.is_available())
 @pytest.mark.parametrize("grad_accum", [1, 2])
 def test_the_next_steps_target_forward_runs_at_the_end_of_a_step_and_changes_nothing(
@@ -568,6 +572,10 @@ def test_the_next_steps_target_forward_runs_at_the_end_of_a_step_and_changes_not
             losses.append(trainer.train_step().loss_sum.clone())
             expected = trainer.micro_indices(step + 1)[0] if prefetch and step < 3 else None
             assert (trainer.ahead[0] if trainer.ahead else None) == expected
+            if expected is not None:  # its block mask was built ahead too, for that micro-batch
+                mb = trainer.ahead[1][0]
+                fresh = block_visibility(trainer.drafter, mb, trainer.spec.kernels)
+                assert torch.equal(_dense(mb.visibility.mask), _dense(fresh.mask))
         assert fetched == list(range(3 * grad_accum))
         runs[prefetch] = losses, [p.detach().clone() for p in trainer.drafter.parameters()]
         trainer.close()

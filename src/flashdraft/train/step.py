@@ -87,6 +87,7 @@ class MicroBatch:
     blocks: Blocks
     features: torch.Tensor | None = None  # tapped target features [b, S, N*D]
     teacher: torch.Tensor | None = None  # the target's final hidden state [b, S, D] (distillation)
+    visibility: Visibility | dict[str, Visibility] | None = None  # built ahead (block_visibility)
 
 
 def plan_micro_batch(
@@ -157,6 +158,12 @@ def visibility_for(
     return {"full_attention": one(None), "sliding_attention": one(window)}
 
 
+def block_visibility(drafter: DFlashDrafter, mb: MicroBatch, kernels: Kernels) -> Visibility | dict:
+    """The visibility `drafter` (or its DDP wrapper) gives mb's block queries under `kernels`."""
+    window = getattr(drafter, "module", drafter).sliding_window
+    return visibility_for(mb, mb.blocks.labels.shape[-1], kernels.attention, kernels.compiled, window)
+
+
 def target_features(target: Target, batch: PackedBatch, plain_causal: bool = False, final: bool = False):
     """The target keeps the documents of a row apart by their position ids (`Target.packing`).
     plain_causal: every row is one document with no padding (checked on the host by the caller), so the
@@ -186,18 +193,19 @@ def micro_step_loss(
     """Forward of one micro-batch; the caller normalises `weighted_ce` by the step's weight sum.
 
     Uses `mb.features` when a feature source already computed them (or received them from a
-    target rank); otherwise runs the target here. `drafter` may be wrapped (DDP): only its
-    forward is called. step: the optimizer step this micro-batch trains (1-based), which sets the
-    selector term's weight (SelectorObjective.alpha_at); None outside training.
+    target rank); otherwise runs the target here. Likewise `mb.visibility` (the block mask). `drafter`
+    may be wrapped (DDP): only its forward is called. step: the optimizer step this micro-batch trains
+    (1-based), which sets the selector term's weight (SelectorObjective.alpha_at); None outside training.
     """
     feats = mb.features
     if feats is None:
         with timer("target_forward"):
             feats = target_features(target, mb.batch)
-    with timer("block_mask"):
-        core = getattr(drafter, "module", drafter)  # a DDP wrapper holds the drafter as .module
-        window = core.sliding_window
-        vis = visibility_for(mb, mb.blocks.labels.shape[-1], kernels.attention, kernels.compiled, window)
+    core = getattr(drafter, "module", drafter)  # a DDP wrapper holds the drafter as .module
+    vis = mb.visibility
+    if vis is None:
+        with timer("block_mask"):
+            vis = block_visibility(core, mb, kernels)
     with timer("drafter_forward"):
         with torch.no_grad():  # the block's input: the target's (frozen) token embeddings
             block_embeds = target.embed(mb.blocks.input_ids).to(feats.dtype)

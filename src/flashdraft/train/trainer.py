@@ -51,7 +51,14 @@ from flashdraft.train.mask import MaskChoice
 from flashdraft.train.metrics import MetricsLogger, StepStats, Window, peak_memory_bytes
 from flashdraft.train.probes import autocast, measure_tau, sum_over_drafters_, validate
 from flashdraft.train.state import Checkpointer, NonFiniteError, write_fingerprint
-from flashdraft.train.step import Kernels, StepSpec, micro_step_loss, selector_objective, target_features
+from flashdraft.train.step import (
+    Kernels,
+    StepSpec,
+    block_visibility,
+    micro_step_loss,
+    selector_objective,
+    target_features,
+)
 from flashdraft.train.timing import NULL_TIMER, PhaseTimer
 
 
@@ -216,9 +223,10 @@ class Trainer:
         else:
             self.features = LocalFeatures(stream, target, self.device, final=self.spec.kernels.distill > 0)
         # The next step's first micro-batch goes through the target at the end of a step, after the
-        # optimizer is launched (the target reads nothing the optimizer writes). One process on a GPU
-        # runs the optimizer on a stream of its own, so that the target's matmuls fill the GPU beside
-        # its memory-bound kernels; elsewhere the two run in turn.
+        # optimizer is launched (the target reads nothing the optimizer writes), and that micro-batch's
+        # block mask is built on the host while the GPU runs it. One process on a GPU runs the optimizer
+        # on a stream of its own, so that the target's matmuls fill the GPU beside its memory-bound
+        # kernels; elsewhere the two run in turn.
         self.prefetch = not self.remote
         alone = self.topo.world_size == 1 and self.device.type == "cuda"
         self.update_stream = torch.cuda.Stream(self.device) if alone and self.prefetch else None
@@ -290,7 +298,10 @@ class Trainer:
             self.skipped += bad
             self.optimizer.step()
         if self.prefetch and following is not None:
-            self.ahead = (following, self._micro_batch(following, None, timer))
+            ahead = self._micro_batch(following, None, timer)
+            with timer("block_mask"):  # host work, while the GPU runs that target forward
+                ahead[0].visibility = block_visibility(self.drafter, ahead[0], self.spec.kernels)
+            self.ahead = (following, ahead)
         if update is not None:  # the step ends with the weights updated, whoever reads them next
             torch.cuda.current_stream(self.device).wait_stream(update)
         self.optimizer.zero_grad(set_to_none=True)  # after the wait: the optimizer has read them
