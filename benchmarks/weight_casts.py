@@ -1,0 +1,72 @@
+"""What the drafter's weight casts cost in the compiled step: its forward and backward with fp32 weights
+under bf16 autocast (what training runs), against the same drafter with bf16 weights.
+
+Training keeps the drafter's weights in fp32 for AdamW. Under autocast every linear casts its weight to
+bf16 in the forward, and its weight gradient comes out of a bf16 matmul and is cast to fp32 in the
+backward: about 6 and 8 bytes of memory traffic a parameter, for a drafter of about a billion. bf16
+weights need neither, so the difference between the two bounds what keeping bf16 copies of the weights
+(refreshed by the optimizer) and writing the weight gradients in fp32 from the matmul could save.
+
+It sets up what `flashdraft bench` sets up for a shape (standing in for the bench's measuring
+function), takes one micro-batch's target features and block mask, then times the drafter's forward
+and backward (a random gradient on its output), a median of --iters timed on the host around a device
+sync: first as training runs it, then with the weights cast to bf16 in place (its compiled layers
+compile again for them).
+
+    python benchmarks/weight_casts.py --shape qwen3-8b [--iters 10]
+"""
+
+import argparse
+
+import torch
+
+import flashdraft.bench as bench
+from flashdraft.train.probes import autocast
+from flashdraft.train.step import block_visibility
+from flashdraft.train.target_attention import _median_ms
+from flashdraft.train.timing import NULL_TIMER
+
+
+def experiment(iters: int):
+    def run(trainer, dev, steps, warmup, profile):
+        for _ in range(warmup):
+            trainer.train_step_guarded()
+        m = trainer.micro_indices(trainer.step + 1)[0]
+        mb, _ = trainer._micro_batch(m, None, NULL_TIMER)
+        vis = block_visibility(trainer.drafter, mb, trainer.spec.kernels)
+        drafter, target = trainer.drafter, trainer.target
+        with torch.no_grad():
+            embeds = target.embed(mb.blocks.input_ids).to(mb.features.dtype)
+        grad = torch.randn(*mb.blocks.input_ids.shape, drafter.config.hidden_size, device=dev)
+
+        def forward_backward():
+            with autocast(dev):
+                hidden = drafter(embeds, mb.blocks.positions, None, vis, mb.features, mb.batch.position_ids)
+            hidden.backward(grad.to(hidden.dtype))
+            drafter.zero_grad(set_to_none=True)
+
+        params = sum(p.numel() for p in drafter.parameters())
+        fp32 = _median_ms(forward_backward, iters)[0]
+        drafter.to(torch.bfloat16)
+        bf16 = _median_ms(forward_backward, iters, warmup=3)[0]  # the layers compile again
+        print(
+            f"drafter forward and backward, {params / 1e9:.2f}B parameters: fp32 weights {fp32:.1f} ms, "
+            f"bf16 weights {bf16:.1f} ms (the casts: {fp32 - bf16:.1f} ms a micro-batch at most)",
+            flush=True,
+        )
+        raise SystemExit(0)
+
+    return run
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shape", default="qwen3-8b")
+    ap.add_argument("--iters", type=int, default=10)
+    args = ap.parse_args()
+    bench._drafter_bench = experiment(args.iters)
+    bench.run_bench(args.shape, steps=1, warmup=3)
+
+
+if __name__ == "__main__":
+    main()
