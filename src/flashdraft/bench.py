@@ -269,6 +269,7 @@ def run_bench(
     target_experts: str = "auto",
     documents: int | None = None,
     architecture: str = "dflash",
+    bf16_weights: bool = False,
 ) -> BenchResult | None:
     """One process, or one rank of `flashdraft bench --nproc N` (under torchrun): every rank runs
     this; the main rank returns the result (throughput summed over drafter ranks, MFU over every
@@ -293,6 +294,7 @@ def run_bench(
             "target_fp8": target_fp8,
             "target_attention": target_attention,
             "target_experts": target_experts,
+            "bf16_weights": bf16_weights,
             "drafter.mask_token_id": QWEN3_MASK_ID if tcfg.vocab_size == QWEN3_VOCAB else tcfg.vocab_size - 1,
         },
     )
@@ -369,6 +371,7 @@ def run_bench(
             "compiled": trainer.compiled,
             "compile_target": trainer.compile_target,
             "target_fp8": trainer.cfg.target_fp8,
+            "bf16_weights": trainer.cfg.bf16_weights,
             "attention": trainer.attention,
             "target_attention": trainer.target.config._attn_implementation,
             "experts": _experts(trainer.target.config),

@@ -254,6 +254,13 @@ class TrainConfig(_Strict):
         description="shard the drafter's parameters, gradients and optimizer state over the drafter ranks "
         "with FSDP2 fully_shard, for drafters too big to replicate; default: DDP replicas",
     )
+    bf16_weights: bool = Field(
+        False,
+        description="the drafter's linears compute from bf16 copies of their fp32 weights, refreshed after "
+        "each optimizer step, and their weight gradients are written in fp32 by the matmul: no casts of "
+        "the weights or their gradients in a step, 2 bytes a parameter more memory "
+        "(flashdraft.train.precision). Where the drafter computes in bf16 (a GPU); not with fsdp",
+    )
     compile: bool | None = Field(None, description="torch.compile flex_attention; default: on GPU")
     trust_compile_cache: bool = Field(
         False,
@@ -316,6 +323,11 @@ class TrainConfig(_Strict):
             raise ValueError(
                 "val_every cannot be combined with fsdp: validation runs the unwrapped drafter; drop "
                 "val_every and measure checkpoints instead"
+            )
+        if self.bf16_weights and self.fsdp:
+            raise ValueError(
+                "bf16_weights cannot be combined with fsdp: FSDP2 gathers each layer's weights in its own "
+                "dtype for the forward; drop one of them"
             )
         if self.eval_every and self.fsdp:
             raise ValueError(

@@ -469,6 +469,9 @@ def bench(
     target_experts: str = typer.Option(
         "auto", help="a mixture-of-experts target's experts code (train.target_experts): auto, gather_sum"
     ),
+    bf16_weights: bool = typer.Option(
+        False, "--bf16-weights", help="the drafter's linears from bf16 copies of their weights (bf16_weights)"
+    ),
     nproc: int | None = typer.Option(None, help="launch N processes on this machine (torch's launcher)"),
     json_out: Path | None = typer.Option(None, "--json", help="write the result as JSON here"),
     profile: Path | None = typer.Option(
@@ -521,6 +524,7 @@ def bench(
             target_experts=target_experts,
             documents=documents,
             architecture=architecture,
+            bf16_weights=bf16_weights,
         )
     except ValueError as e:
         _fail(str(e))

@@ -34,7 +34,9 @@ def parallelize(drafter: nn.Module, topo: Topology, fsdp: bool = False) -> nn.Mo
     if topo.num_drafters == 1 or not topo.is_drafter:
         return drafter
     if not fsdp:
-        return DistributedDataParallel(drafter, process_group=topo.drafter_group)
+        # no buffers broadcast before each forward: the drafter's are RoPE's frequencies, computed alike
+        # on every rank, and the bf16 copies of bf16_weights, refreshed on each rank from the same weights
+        return DistributedDataParallel(drafter, process_group=topo.drafter_group, broadcast_buffers=False)
     if topo.device.type == "cuda" and topo.backend == "gloo":
         raise ValueError(
             "--fsdp on GPUs needs NCCL: gloo cannot all-gather CUDA tensors (use --backend auto, one GPU "

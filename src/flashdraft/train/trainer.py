@@ -49,6 +49,7 @@ from flashdraft.train.features import LocalFeatures, ReceivedFeatures
 from flashdraft.train.flops import matmul_tflops, mfu, micro_batch_flops
 from flashdraft.train.mask import MaskChoice
 from flashdraft.train.metrics import MetricsLogger, StepStats, Window, peak_memory_bytes
+from flashdraft.train.precision import in_bf16, refresh, use_bf16_weights
 from flashdraft.train.probes import autocast, measure_tau, sum_over_drafters_, validate
 from flashdraft.train.state import Checkpointer, NonFiniteError, write_fingerprint
 from flashdraft.train.step import (
@@ -180,6 +181,15 @@ class Trainer:
             raise ValueError("compile_target needs compile (on by default on GPU; set compile: true)")
         self.compile_target = self.compiled if cfg.compile_target is None else cfg.compile_target
         self.cache_dir = use_cache_dir(None, self.device) if self.compiled else None
+        self.bf16_linears = []  # train.bf16_weights: what the optimizer step refreshes
+        if cfg.bf16_weights:
+            with autocast(self.device):
+                if not in_bf16(self.device.type):
+                    raise ValueError(
+                        f"bf16_weights: the drafter computes in fp32 on {self.device.type}, so its weights "
+                        "have no bf16 copies to keep; drop bf16_weights (it needs a GPU)"
+                    )
+            self.bf16_linears = use_bf16_weights(drafter)  # before the compile and the optimizer
         if self.compiled:
             for layer in drafter.layers:
                 layer.compile(dynamic=False)
@@ -297,6 +307,7 @@ class Trainer:
             self.bad_run = (self.bad_run + 1) * bad
             self.skipped += bad
             self.optimizer.step()
+            refresh(self.bf16_linears)
         if self.prefetch and following is not None:
             ahead = self._micro_batch(following, None, timer)
             with timer("block_mask"):  # host work, while the GPU runs that target forward
