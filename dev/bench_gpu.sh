@@ -8,9 +8,7 @@
 set -uo pipefail
 started=$(date +%s)
 cd "$(dirname "$0")/.."
-SITE=/root/keep/site
-[ -d "$SITE/pydantic" ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
-  --target "$SITE" .whl/*.whl .peer/*.whl || exit 3
+source dev/site.sh
 name=$1 && shift
 left=$((${CALL_S:-575} - $(date +%s) + started))  # CALL_S: seconds this call may take
 export PYTHONPATH=$SITE:$PWD/src

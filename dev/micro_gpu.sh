@@ -8,9 +8,7 @@
 # bench_gpu.sh call after this one on the same machine.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-SITE=/root/keep/site  # as bench_gpu.sh installs it
-[ -d "$SITE/pydantic" ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
-  --target "$SITE" .whl/*.whl $(ls .peer/*.whl 2>/dev/null) || exit 3
+source dev/site.sh
 out=${OUT:-/tmp}
 settings=("$@")
 [ ${#settings[@]} -gt 0 ] || settings=(s2)

@@ -7,9 +7,7 @@
 # Each log comes back in $OUT; the end of each is printed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-SITE=/root/keep/site  # as bench_gpu.sh installs it
-[ -d "$SITE/pydantic" ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
-  --target "$SITE" .whl/*.whl $(ls .peer/*.whl 2>/dev/null) || exit 3
+source dev/site.sh
 out=${OUT:-/tmp}
 shape=("$@")
 [ ${#shape[@]} -gt 0 ] || shape=(--shape qwen3-8b)
