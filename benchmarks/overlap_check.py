@@ -10,11 +10,9 @@ free slots first). Each figure is a median of --iters, timed on the host around 
     python benchmarks/overlap_check.py --shape qwen3-8b [--iters 7]
 """
 
-import argparse
-
+import on_bench_trainer
 import torch
 
-import flashdraft.bench as bench
 from flashdraft.distributed.parallel import clip_divisor
 from flashdraft.train.target_attention import _median_ms
 from flashdraft.train.timing import NULL_TIMER
@@ -65,14 +63,5 @@ def experiment(iters: int):
     return run
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--shape", default="qwen3-8b")
-    ap.add_argument("--iters", type=int, default=7)
-    args = ap.parse_args()
-    bench._drafter_bench = experiment(args.iters)
-    bench.run_bench(args.shape, steps=1, warmup=3)
-
-
 if __name__ == "__main__":
-    main()
+    on_bench_trainer.main(__doc__, experiment, 7)

@@ -16,11 +16,9 @@ them back in fp32 and bf16 copies (its compiled layers compile again for each).
     python benchmarks/weight_casts.py --shape qwen3-8b [--iters 10]
 """
 
-import argparse
-
+import on_bench_trainer
 import torch
 
-import flashdraft.bench as bench
 from flashdraft.train.precision import use_bf16_weights
 from flashdraft.train.probes import autocast
 from flashdraft.train.step import block_visibility
@@ -64,14 +62,5 @@ def experiment(iters: int):
     return run
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--shape", default="qwen3-8b")
-    ap.add_argument("--iters", type=int, default=10)
-    args = ap.parse_args()
-    bench._drafter_bench = experiment(args.iters)
-    bench.run_bench(args.shape, steps=1, warmup=3)
-
-
 if __name__ == "__main__":
-    main()
+    on_bench_trainer.main(__doc__, experiment, 10)
