@@ -90,20 +90,24 @@ def test_bf16_weights_is_refused_where_the_drafter_computes_in_fp32_and_with_fsd
         resolve_config("tiny_cpu", bf16_weights=True, fsdp=True)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 def test_training_with_bf16_weights_refreshes_the_copies_at_each_step(
-    tmp_path, tiny_target_dir, token_data_dir, monkeypatch
+    tmp_path, tiny_target_dir, token_data_dir, monkeypatch, device
 ):
-    """With bf16 autocast (the CPU's standing in for a GPU's), each step ends with every copy equal to
-    its updated weight, and the run trains as one without copies does, within bf16 rounding."""
+    """With bf16 autocast (on the CPU standing in for a GPU's), each step ends with every copy equal to
+    its updated weight, and the run trains as one without copies does, within bf16 rounding. On a GPU
+    the optimizer and the refresh run on a stream of their own, and the layers are compiled."""
     import flashdraft.train.trainer as trainer_module
     from flashdraft.config import resolve_config
     from flashdraft.train.build import build_trainer
 
-    monkeypatch.setattr(trainer_module, "autocast", lambda device: bf16())
+    if device == "cpu":
+        monkeypatch.setattr(trainer_module, "autocast", lambda device: bf16())
     runs = {}
     for copies in (False, True):
         cfg = resolve_config("tiny_cpu", max_steps=3, bf16_weights=copies, **{"drafter.num_layers": 1})
-        trainer = build_trainer(cfg, tiny_target_dir, token_data_dir, tmp_path / f"run{copies}", device="cpu")
+        out = tmp_path / f"run{copies}"
+        trainer = build_trainer(cfg, tiny_target_dir, token_data_dir, out, device=device)
         assert len(trainer.bf16_linears) == (8 if copies else 0)  # q, k, v, o, gate, up, down, fc
         losses = []
         for _ in range(3):
