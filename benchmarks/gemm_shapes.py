@@ -17,9 +17,9 @@ of the casts in the compiled step may already save part of what the table offers
 """
 
 import argparse
-import statistics
 
 import torch
+from decode_attention import median_ms
 
 from flashdraft.bench import DEFAULT_ROWS, shape_config
 from flashdraft.model.drafter import drafter_config
@@ -50,20 +50,6 @@ def linears(shape: str, rows: int, seq_len: int, anchors: int, block: int) -> di
     }
 
 
-def median_ms(fn, iters: int) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
 def time_linear(m: int, k: int, n: int, iters: int) -> dict[str, float]:
     """The table's five timings of one linear [m, k] x [k, n], in ms."""
     dev = torch.device("cuda")
@@ -72,11 +58,11 @@ def time_linear(m: int, k: int, n: int, iters: int) -> dict[str, float]:
     x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
     dy = torch.randn(m, n, device=dev, dtype=torch.bfloat16)
     return {
-        "cast": median_ms(lambda: master.to(torch.bfloat16), iters),
-        "forward": median_ms(lambda: x @ master.to(torch.bfloat16).t(), iters),
-        "input grad": median_ms(lambda: dy @ weight, iters),
-        "weight grad": median_ms(lambda: (dy.t() @ x).float(), iters),
-        "weight grad fp32": median_ms(lambda: torch.mm(dy.t(), x, out_dtype=torch.float32), iters),
+        "cast": median_ms(lambda: master.to(torch.bfloat16), (), iters),
+        "forward": median_ms(lambda: x @ master.to(torch.bfloat16).t(), (), iters),
+        "input grad": median_ms(lambda: dy @ weight, (), iters),
+        "weight grad": median_ms(lambda: (dy.t() @ x).float(), (), iters),
+        "weight grad fp32": median_ms(lambda: torch.mm(dy.t(), x, out_dtype=torch.float32), (), iters),
     }
 
 
