@@ -1,5 +1,9 @@
-# Sourced by the device-call scripts: installs the carried wheels (.whl, and .peer where present) once
-# into SITE=/root/keep/site, which survives between calls that follow each other closely.
+# Sourced by the device-call scripts: installs the carried wheels (.whl, and .peer where carried) into
+# SITE=/root/keep/site, which survives between calls that follow each other closely. Each set is
+# installed once; .peer also when a call before this one on the same machine carried no .peer.
 SITE=/root/keep/site
-[ -d "$SITE/pydantic" ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
-  --target "$SITE" .whl/*.whl $(ls .peer/*.whl 2>/dev/null) || exit 3
+install_wheels() { python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$SITE" "$@"; }
+[ -d "$SITE/pydantic" ] || install_wheels .whl/*.whl || exit 3
+if ls .peer/*.whl > /dev/null 2>&1 && [ ! -d "$SITE/speculators" ]; then
+  install_wheels .peer/*.whl || exit 3
+fi
