@@ -77,17 +77,28 @@ def test_the_copies_follow_their_weights_and_nothing_else_changes():
     assert torch.equal(model(x), nn.functional.linear(torch.relu(model[0](x)), params[2], params[3]))
 
 
-def test_bf16_weights_is_refused_where_the_drafter_computes_in_fp32_and_with_fsdp(
-    tmp_path, tiny_target_dir, token_data_dir
+def test_bf16_weights_is_on_by_default_where_the_drafter_computes_in_bf16_and_refused_where_not(
+    tmp_path, tiny_target_dir, token_data_dir, monkeypatch
 ):
+    import flashdraft.train.trainer as trainer_module
     from flashdraft.config import resolve_config
     from flashdraft.train.build import build_trainer
 
+    def linears(name: str, **overrides) -> int:
+        cfg = resolve_config("tiny_cpu", max_steps=2, **{"drafter.num_layers": 1, **overrides})
+        trainer = build_trainer(cfg, tiny_target_dir, token_data_dir, tmp_path / name, device="cpu")
+        trainer.close()
+        return len(trainer.bf16_linears)
+
+    assert linears("fp32") == 0  # the default, where the drafter computes in fp32
     cfg = resolve_config("tiny_cpu", max_steps=2, bf16_weights=True)
     with pytest.raises(ValueError, match="bf16_weights: the drafter computes in fp32 on cpu"):
         build_trainer(cfg, tiny_target_dir, token_data_dir, tmp_path / "run", device="cpu")
     with pytest.raises(ValueError, match="bf16_weights cannot be combined with fsdp"):
         resolve_config("tiny_cpu", bf16_weights=True, fsdp=True)
+    monkeypatch.setattr(trainer_module, "autocast", lambda device: bf16())
+    assert linears("default") == 8  # q, k, v, o, gate, up, down, fc
+    assert linears("off", bf16_weights=False) == 0
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -117,8 +128,14 @@ def test_training_with_bf16_weights_refreshes_the_copies_at_each_step(
         runs[copies] = losses, [p.detach().clone() for p in trainer.drafter.parameters()]
         trainer.close()
     assert runs[True][0] == pytest.approx(runs[False][0], rel=1e-2)
+    # AdamW moves a weight by about lr a step whatever its gradient's size, so where a gradient is near
+    # zero its rounding can flip the step's sign: a few weights may differ by up to 2 lr a step (0.018
+    # here); nearly all must agree to well within one step
+    lr = cfg.optim.lr
     for a, b in zip(runs[True][1], runs[False][1], strict=True):
-        torch.testing.assert_close(a, b, rtol=0, atol=2e-3)
+        apart = (a - b).abs()
+        assert apart.max() <= 6 * lr * 1.1
+        assert (apart > lr / 3).float().mean() < 0.01
 
 
 @pytest.mark.parametrize("device", DEVICES)

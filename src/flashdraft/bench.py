@@ -269,7 +269,7 @@ def run_bench(
     target_experts: str = "auto",
     documents: int | None = None,
     architecture: str = "dflash",
-    bf16_weights: bool = False,
+    bf16_weights: bool | None = None,
 ) -> BenchResult | None:
     """One process, or one rank of `flashdraft bench --nproc N` (under torchrun): every rank runs
     this; the main rank returns the result (throughput summed over drafter ranks, MFU over every
@@ -371,7 +371,7 @@ def run_bench(
             "compiled": trainer.compiled,
             "compile_target": trainer.compile_target,
             "target_fp8": trainer.cfg.target_fp8,
-            "bf16_weights": trainer.cfg.bf16_weights,
+            "bf16_weights": bool(trainer.bf16_linears),
             "attention": trainer.attention,
             "target_attention": trainer.target.config._attn_implementation,
             "experts": _experts(trainer.target.config),

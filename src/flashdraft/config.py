@@ -254,12 +254,13 @@ class TrainConfig(_Strict):
         description="shard the drafter's parameters, gradients and optimizer state over the drafter ranks "
         "with FSDP2 fully_shard, for drafters too big to replicate; default: DDP replicas",
     )
-    bf16_weights: bool = Field(
-        False,
+    bf16_weights: bool | None = Field(
+        None,
         description="the drafter's linears compute from bf16 copies of their fp32 weights, refreshed after "
         "each optimizer step, and their weight gradients are written in fp32 by the matmul: no casts of "
         "the weights or their gradients in a step, 2 bytes a parameter more memory "
-        "(flashdraft.train.precision). Where the drafter computes in bf16 (a GPU); not with fsdp",
+        "(flashdraft.train.precision). Only where the drafter computes in bf16 (a GPU), not with fsdp; "
+        "default: on there, off elsewhere",
     )
     compile: bool | None = Field(None, description="torch.compile flex_attention; default: on GPU")
     trust_compile_cache: bool = Field(

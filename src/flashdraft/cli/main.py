@@ -469,8 +469,10 @@ def bench(
     target_experts: str = typer.Option(
         "auto", help="a mixture-of-experts target's experts code (train.target_experts): auto, gather_sum"
     ),
-    bf16_weights: bool = typer.Option(
-        False, "--bf16-weights", help="the drafter's linears from bf16 copies of their weights (bf16_weights)"
+    bf16_weights: bool | None = typer.Option(
+        None,
+        "--bf16-weights/--no-bf16-weights",
+        help="the drafter's linears from bf16 copies of their weights (bf16_weights; default: on a GPU)",
     ),
     nproc: int | None = typer.Option(None, help="launch N processes on this machine (torch's launcher)"),
     json_out: Path | None = typer.Option(None, "--json", help="write the result as JSON here"),

@@ -182,13 +182,14 @@ class Trainer:
         self.compile_target = self.compiled if cfg.compile_target is None else cfg.compile_target
         self.cache_dir = use_cache_dir(None, self.device) if self.compiled else None
         self.bf16_linears = []  # train.bf16_weights: what the optimizer step refreshes
-        if cfg.bf16_weights:
-            with autocast(self.device):
-                if not in_bf16(self.device.type):
-                    raise ValueError(
-                        f"bf16_weights: the drafter computes in fp32 on {self.device.type}, so its weights "
-                        "have no bf16 copies to keep; drop bf16_weights (it needs a GPU)"
-                    )
+        with autocast(self.device):
+            drafter_in_bf16 = in_bf16(self.device.type)
+        if cfg.bf16_weights and not drafter_in_bf16:
+            raise ValueError(
+                f"bf16_weights: the drafter computes in fp32 on {self.device.type}, so its weights "
+                "have no bf16 copies to keep; drop bf16_weights (it needs a GPU)"
+            )
+        if cfg.bf16_weights or (cfg.bf16_weights is None and drafter_in_bf16 and not cfg.fsdp):
             self.bf16_linears = use_bf16_weights(drafter)  # before the compile and the optimizer
         if self.compiled:
             for layer in drafter.layers:
