@@ -29,6 +29,9 @@ def test_a_recompile_after_warm_up_stops_the_run_with_a_clear_message(tmp_path, 
     try:
         trainer.train_step_guarded()  # warm-up: compiles the drafter layers
         assert trainer.compile_report is not None and trainer.compile_report.seconds > 0
+        core = trainer.drafter  # the layers and the two norms outside them are compiled
+        modules = (*core.layers, core.norm, core.hidden_norm)
+        assert all(m._compiled_call_impl is not None for m in modules)
         trainer.train_step_guarded()  # same shapes: no recompile
         # tau during training decodes with ever-changing shapes: eagerly, not as a recompile error
         trainer.tau_probe = (None, [[5, 6, 7, 8, 9, 10], [11, 12, 13]])
