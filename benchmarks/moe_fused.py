@@ -1,0 +1,252 @@
+"""A fused mixture-of-experts forward in Triton against the target forward's own experts, measured before
+the target uses it.
+
+flashdraft's `gather_sum` experts (flashdraft.model.experts) run, per layer: a gather of each token's row
+once per chosen expert (fused with the norm before it), the gate/up grouped GEMM, SiLU times up, the
+down grouped GEMM, and the weighted sum of each token's top-k rows. On one H100 at two rows of
+qwen3-30b-a3b the GEMMs took 44.7 ms of the 95.0 ms target forward and the three pointwise passes
+12.9 ms (docs/results.md). Here:
+
+- gate/up: one program per block of BLOCK_M rows of one expert and BLOCK_N columns of its hidden width
+  loads each row straight from the token's hidden state (no gathered copy), computes gate and up, and
+  writes silu(gate) * up;
+- down: the same blocks, each row's output times its routing weight, written to its (token, slot) row;
+- the sum over each token's top-k slots: contiguous rows, one pass.
+
+The rows are sorted by expert and each expert's run padded to BLOCK_M on the host side in torch (the
+layout fused-MoE inference kernels use). Compared with the reference (the same routing through
+torch._grouped_mm, compiled as the target's layers are) for its output and its time, medians of --iters
+CUDA-event timings after warm-up. GPU only; `TRITON_INTERPRET=1 ... --check-only --tiny` checks the
+kernels on a CPU, in fp32 (the interpreter's bf16 products are wrong).
+
+    python benchmarks/moe_fused.py [--shape qwen3-30b-a3b] [--rows 2] [--iters 20]
+"""
+
+import argparse
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+from decode_attention import median_ms
+
+from flashdraft.bench import shape_config
+
+
+@triton.jit
+def _gate_up(
+    x,
+    w13,
+    out,
+    rows,
+    block_expert,
+    pairs,
+    width: tl.constexpr,
+    inner: tl.constexpr,
+    k_slots: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """out[r, n] = silu(x[t] . w13[e, n]) * (x[t] . w13[e, inner + n]) for the block's rows r, their token
+    t = pair // k_slots and the block's expert e."""
+    block, col_block = tl.program_id(0), tl.program_id(1)
+    expert = tl.load(block_expert + block)
+    if expert < 0:
+        return
+    offs_m = block * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(rows + offs_m)
+    live = pair < pairs
+    token = tl.where(live, pair // k_slots, 0).to(tl.int64)
+    offs_n = col_block * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    w_base = w13 + expert.to(tl.int64) * 2 * inner * width
+    gate = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    up = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    for k0 in range(0, width, BLOCK_K):
+        kk = k0 + offs_k
+        a = tl.load(
+            x + token[:, None] * width + kk[None, :], mask=live[:, None] & (kk[None, :] < width), other=0.0
+        )
+        wmask = (offs_n[None, :] < inner) & (kk[:, None] < width)
+        wg = tl.load(w_base + offs_n[None, :] * width + kk[:, None], mask=wmask, other=0.0)
+        wu = tl.load(w_base + (inner + offs_n[None, :]) * width + kk[:, None], mask=wmask, other=0.0)
+        gate = tl.dot(a, wg, gate)
+        up = tl.dot(a, wu, up)
+    h = gate * tl.sigmoid(gate) * up
+    dst = out + offs_m[:, None].to(tl.int64) * inner + offs_n[None, :]
+    tl.store(dst, h.to(out.dtype.element_ty), mask=live[:, None] & (offs_n[None, :] < inner))
+
+
+@triton.jit
+def _down(
+    h,
+    w2,
+    out,
+    rows,
+    block_expert,
+    weights,
+    pairs,
+    width: tl.constexpr,
+    inner: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """out[pair, n] = weight[pair] * (h[r] . w2[e, n]) for the block's rows r and expert e."""
+    block, col_block = tl.program_id(0), tl.program_id(1)
+    expert = tl.load(block_expert + block)
+    if expert < 0:
+        return
+    offs_m = block * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(rows + offs_m)
+    live = pair < pairs
+    offs_n = col_block * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    w_base = w2 + expert.to(tl.int64) * width * inner
+    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    for k0 in range(0, inner, BLOCK_K):
+        kk = k0 + offs_k
+        a = tl.load(
+            h + offs_m[:, None].to(tl.int64) * inner + kk[None, :],
+            mask=live[:, None] & (kk[None, :] < inner),
+            other=0.0,
+        )
+        b = tl.load(
+            w_base + offs_n[None, :] * inner + kk[:, None],
+            mask=(offs_n[None, :] < width) & (kk[:, None] < inner),
+            other=0.0,
+        )
+        acc = tl.dot(a, b, acc)
+    scale = tl.load(weights + tl.where(live, pair, 0), mask=live, other=0.0)
+    acc = acc * scale[:, None]
+    dst = out + tl.where(live, pair, 0).to(tl.int64)[:, None] * width + offs_n[None, :]
+    tl.store(dst, acc.to(out.dtype.element_ty), mask=live[:, None] & (offs_n[None, :] < width))
+
+
+def padded_layout(top_k_index: torch.Tensor, experts: int, block_m: int):
+    """(rows [capacity] the pair index at each padded position, pairs (an index past every pair) at the
+    padding; block_expert [capacity // block_m] each block's expert, -1 past the last used block). Each
+    expert's pairs are contiguous, in their order of appearance, its run padded to block_m. The capacity
+    is fixed by the shapes alone: pairs + experts x (block_m - 1), rounded up to block_m."""
+    flat = top_k_index.reshape(-1)
+    pairs = flat.numel()
+    order = torch.sort(flat, stable=True).indices
+    counts = torch.bincount(flat, minlength=experts)
+    padded = (counts + block_m - 1) // block_m * block_m
+    start = torch.cumsum(counts, 0) - counts
+    padded_start = torch.cumsum(padded, 0) - padded
+    capacity = (pairs + experts * (block_m - 1) + block_m - 1) // block_m * block_m
+    sorted_expert = flat[order]
+    dest = padded_start[sorted_expert] + torch.arange(pairs, device=flat.device) - start[sorted_expert]
+    rows = torch.full((capacity,), pairs, dtype=torch.int32, device=flat.device)
+    rows[dest] = order.int()
+    blocks = capacity // block_m
+    block_expert = torch.repeat_interleave(torch.arange(experts, device=flat.device), padded // block_m)
+    block_expert = F.pad(block_expert.int(), (0, blocks - block_expert.numel()), value=-1)
+    return rows, block_expert
+
+
+def fused_moe(x, top_k_index, top_k_weights, w13, w2, block_m=64, block_n=128, block_k=64, warps=4, stages=3):
+    """x [tokens, width]; top_k_index, top_k_weights [tokens, k]; w13 [experts, 2 inner, width] (gate rows
+    first), w2 [experts, width, inner] (transformers' layouts) -> [tokens, width]."""
+    tokens, k = top_k_index.shape
+    experts, width, inner = w2.shape
+    rows, block_expert = padded_layout(top_k_index, experts, block_m)
+    pairs = tokens * k
+    h = torch.empty(rows.numel(), inner, device=x.device, dtype=x.dtype)
+    grid = (block_expert.numel(), triton.cdiv(inner, block_n))
+    opts = {"num_warps": warps, "num_stages": stages}
+    _gate_up[grid](x, w13, h, rows, block_expert, pairs, width, inner, k, block_m, block_n, block_k, **opts)
+    out = torch.empty(pairs, width, device=x.device, dtype=x.dtype)
+    weights = top_k_weights.float().reshape(-1).contiguous()
+    grid = (block_expert.numel(), triton.cdiv(width, block_n))
+    _down[grid](
+        h, w2, out, rows, block_expert, weights, pairs, width, inner, block_m, block_n, block_k, **opts
+    )
+    return out.view(tokens, k, width).sum(1, dtype=torch.float32).to(x.dtype)
+
+
+def reference_moe(x, top_k_index, top_k_weights, w13, w2):
+    """What the target forward's gather_sum experts compute, in the same steps."""
+    tokens, k = top_k_index.shape
+    experts = w13.shape[0]
+    keys, order = torch.sort(top_k_index.reshape(-1).to(torch.uint8))
+    rows = x[order // k]
+    counts = torch.histc(keys.int() if x.is_cuda else keys.float(), bins=experts, min=0, max=experts - 1)
+    offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
+    gate_up = torch._grouped_mm(rows, w13.transpose(-2, -1), offs=offsets)
+    gate, up = gate_up.chunk(2, dim=-1)
+    out = torch._grouped_mm(F.silu(gate) * up, w2.transpose(-2, -1), offs=offsets)
+    where = torch.empty_like(order)
+    where[order] = torch.arange(order.numel(), device=order.device)
+    where = where.view(tokens, k)
+    weights = top_k_weights.float()
+    total = out[where[:, 0]].float() * weights[:, :1]
+    for j in range(1, k):
+        total = total + out[where[:, j]].float() * weights[:, j : j + 1]
+    return total.to(x.dtype)
+
+
+def inputs(tokens, width, inner, experts, k, device, dtype=torch.bfloat16, seed=0):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    x = torch.randn(tokens, width, generator=g).to(device, dtype)
+    router = torch.randn(width, experts, generator=g).to(device, dtype) * width**-0.5
+    probs = (x @ router).float().softmax(-1)
+    top_w, top_i = probs.topk(k, dim=-1)
+    top_w = top_w / top_w.sum(-1, keepdim=True)
+    w13 = (torch.randn(experts, 2 * inner, width, generator=g) * width**-0.5).to(device, dtype)
+    w2 = (torch.randn(experts, width, inner, generator=g) * inner**-0.5).to(device, dtype)
+    return x, top_i, top_w, w13, w2
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--shape", default="qwen3-30b-a3b")
+    parser.add_argument("--rows", type=int, default=2, help="rows of 3,072 tokens")
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument(
+        "--tiny", action="store_true", help="a small shape of the same kind (with --check-only)"
+    )
+    parser.add_argument("--check-only", action="store_true", help="compare the outputs, time nothing")
+    args = parser.parse_args()
+    device = "cpu" if args.check_only and not torch.cuda.is_available() else "cuda"
+    if args.tiny:
+        tokens, width, inner, experts, k = 40, 64, 48, 6, 2
+        blocks = {"block_m": 16, "block_n": 16, "block_k": 16}
+    else:
+        c = shape_config(args.shape)
+        tokens, width, inner = args.rows * 3072, c.hidden_size, c.moe_intermediate_size
+        experts, k = c.num_experts, c.num_experts_per_tok
+        blocks = {}
+    # Triton's interpreter multiplies bf16 wrongly: a CPU check runs the kernels in fp32
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    x, top_i, top_w, w13, w2 = inputs(tokens, width, inner, experts, k, device, dtype)
+    ref = reference_moe(x, top_i, top_w, w13, w2)
+    got = fused_moe(x, top_i, top_w, w13, w2, **blocks)
+    err = ((got.float() - ref.float()).norm() / ref.float().norm()).item()
+    print(
+        f"{tokens} tokens, top-{k} of {experts} experts of {inner}, width {width}: relative error {err:.2e}"
+    )
+    assert err < 2e-2, err
+    if args.check_only:
+        return
+    compiled_ref = torch.compile(reference_moe, dynamic=False)
+    t_ref = median_ms(compiled_ref, (x, top_i, top_w, w13, w2), args.iters)
+    print(f"reference (grouped_mm, compiled): {t_ref:.3f} ms a layer")
+    flops = 2 * tokens * k * width * 3 * inner
+    for bm, bn, bk, warps, stages in [
+        (64, 128, 64, 4, 3),
+        (128, 128, 64, 8, 3),
+        (64, 64, 64, 4, 4),
+        (128, 64, 64, 4, 4),
+    ]:
+        cfg = {"block_m": bm, "block_n": bn, "block_k": bk, "warps": warps, "stages": stages}
+        t = median_ms(lambda cfg=cfg: fused_moe(x, top_i, top_w, w13, w2, **cfg), (), args.iters)
+        print(f"fused {cfg}: {t:.3f} ms a layer, {flops / t / 1e9:.0f} TFLOP/s of expert FLOPs")
+
+
+if __name__ == "__main__":
+    main()
