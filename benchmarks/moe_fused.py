@@ -128,23 +128,31 @@ def padded_layout(top_k_index: torch.Tensor, experts: int, block_m: int):
     """(rows [capacity] the pair index at each padded position, pairs (an index past every pair) at the
     padding; block_expert [capacity // block_m] each block's expert, -1 past the last used block). Each
     expert's pairs are contiguous, in their order of appearance, its run padded to block_m. The capacity
-    is fixed by the shapes alone: pairs + experts x (block_m - 1), rounded up to block_m."""
+    is fixed by the shapes alone: pairs + experts x (block_m - 1), rounded up to block_m. No host sync
+    (no op whose output size depends on the routing), as the target forward needs."""
     flat = top_k_index.reshape(-1)
     pairs = flat.numel()
     order = torch.sort(flat, stable=True).indices
-    counts = torch.bincount(flat, minlength=experts)
+    counts = torch.zeros(experts, dtype=torch.long, device=flat.device).scatter_add_(
+        0, flat, torch.ones_like(flat)
+    )
     padded = (counts + block_m - 1) // block_m * block_m
     start = torch.cumsum(counts, 0) - counts
-    padded_start = torch.cumsum(padded, 0) - padded
+    ends = torch.cumsum(padded, 0)
     capacity = (pairs + experts * (block_m - 1) + block_m - 1) // block_m * block_m
     sorted_expert = flat[order]
-    dest = padded_start[sorted_expert] + torch.arange(pairs, device=flat.device) - start[sorted_expert]
+    dest = (
+        ends[sorted_expert]
+        - padded[sorted_expert]
+        + torch.arange(pairs, device=flat.device)
+        - start[sorted_expert]
+    )
     rows = torch.full((capacity,), pairs, dtype=torch.int32, device=flat.device)
     rows[dest] = order.int()
-    blocks = capacity // block_m
-    block_expert = torch.repeat_interleave(torch.arange(experts, device=flat.device), padded // block_m)
-    block_expert = F.pad(block_expert.int(), (0, blocks - block_expert.numel()), value=-1)
-    return rows, block_expert
+    # a block's expert: the first whose padded run ends after the block's start
+    starts = torch.arange(capacity // block_m, device=flat.device) * block_m
+    block_expert = torch.searchsorted(ends, starts, right=True)
+    return rows, torch.where(block_expert < experts, block_expert, -1).int()
 
 
 def fused_moe(x, top_k_index, top_k_weights, w13, w2, block_m=64, block_n=128, block_k=64, warps=8, stages=3):
