@@ -14,10 +14,11 @@ qwen3-30b-a3b the GEMMs took 44.7 ms of the 95.0 ms target forward and the three
 - the sum over each token's top-k slots: contiguous rows, one pass.
 
 The rows are sorted by expert and each expert's run padded to BLOCK_M on the host side in torch (the
-layout fused-MoE inference kernels use). Compared with the reference (the same routing through
-torch._grouped_mm, compiled as the target's layers are) for its output and its time, medians of --iters
-CUDA-event timings after warm-up. GPU only; `TRITON_INTERPRET=1 ... --check-only --tiny` checks the
-kernels on a CPU, in fp32 (the interpreter's bf16 products are wrong).
+layout fused-MoE inference kernels use). Compared, for its output and its time, with what the target
+forward runs: flashdraft's gather_sum experts (torch._grouped_mm) on transformers' Qwen3-MoE experts
+module, compiled as the target's layers are. Times are medians of --iters CUDA-event timings after
+warm-up. GPU only; `TRITON_INTERPRET=1 ... --check-only --tiny` checks the kernels on a CPU, in fp32
+(the interpreter's bf16 products are wrong).
 
     python benchmarks/moe_fused.py [--shape qwen3-30b-a3b] [--rows 2] [--iters 20]
 """
@@ -25,12 +26,22 @@ kernels on a CPU, in fp32 (the interpreter's bf16 products are wrong).
 import argparse
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 from decode_attention import median_ms
 
 from flashdraft.bench import shape_config
+from flashdraft.model.experts import gather_sum_experts
+
+
+@triton.jit
+def _block_rows(rows, block_expert, pairs, BLOCK_M: tl.constexpr):
+    """This program's block: its expert (-1: an unused block), its padded positions, the pair at each
+    and which of them hold one."""
+    block = tl.program_id(0)
+    offs_m = block * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(rows + offs_m)
+    return tl.load(block_expert + block), offs_m, pair, pair < pairs
 
 
 @triton.jit
@@ -50,15 +61,11 @@ def _gate_up(
 ):
     """out[r, n] = silu(x[t] . w13[e, n]) * (x[t] . w13[e, inner + n]) for the block's rows r, their token
     t = pair // k_slots and the block's expert e."""
-    block, col_block = tl.program_id(0), tl.program_id(1)
-    expert = tl.load(block_expert + block)
+    expert, offs_m, pair, live = _block_rows(rows, block_expert, pairs, BLOCK_M)
     if expert < 0:
         return
-    offs_m = block * BLOCK_M + tl.arange(0, BLOCK_M)
-    pair = tl.load(rows + offs_m)
-    live = pair < pairs
     token = tl.where(live, pair // k_slots, 0).to(tl.int64)
-    offs_n = col_block * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     w_base = w13 + expert.to(tl.int64) * 2 * inner * width
     gate = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
@@ -94,14 +101,10 @@ def _down(
     BLOCK_K: tl.constexpr,
 ):
     """out[pair, n] = weight[pair] * (h[r] . w2[e, n]) for the block's rows r and expert e."""
-    block, col_block = tl.program_id(0), tl.program_id(1)
-    expert = tl.load(block_expert + block)
+    expert, offs_m, pair, live = _block_rows(rows, block_expert, pairs, BLOCK_M)
     if expert < 0:
         return
-    offs_m = block * BLOCK_M + tl.arange(0, BLOCK_M)
-    pair = tl.load(rows + offs_m)
-    live = pair < pairs
-    offs_n = col_block * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     w_base = w2 + expert.to(tl.int64) * width * inner
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
@@ -175,25 +178,16 @@ def fused_moe(x, top_k_index, top_k_weights, w13, w2, block_m=64, block_n=128, b
     return out.view(tokens, k, width).sum(1, dtype=torch.float32).to(x.dtype)
 
 
-def reference_moe(x, top_k_index, top_k_weights, w13, w2):
-    """What the target forward's gather_sum experts compute, in the same steps."""
-    tokens, k = top_k_index.shape
-    experts = w13.shape[0]
-    keys, order = torch.sort(top_k_index.reshape(-1).to(torch.uint8))
-    rows = x[order // k]
-    counts = torch.histc(keys.int() if x.is_cuda else keys.float(), bins=experts, min=0, max=experts - 1)
-    offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
-    gate_up = torch._grouped_mm(rows, w13.transpose(-2, -1), offs=offsets)
-    gate, up = gate_up.chunk(2, dim=-1)
-    out = torch._grouped_mm(F.silu(gate) * up, w2.transpose(-2, -1), offs=offsets)
-    where = torch.empty_like(order)
-    where[order] = torch.arange(order.numel(), device=order.device)
-    where = where.view(tokens, k)
-    weights = top_k_weights.float()
-    total = out[where[:, 0]].float() * weights[:, :1]
-    for j in range(1, k):
-        total = total + out[where[:, j]].float() * weights[:, j : j + 1]
-    return total.to(x.dtype)
+def reference_experts(config, w13: torch.Tensor, w2: torch.Tensor):
+    """The target forward's experts: transformers' Qwen3-MoE experts module holding w13 and w2, run by
+    flashdraft's gather_sum (called as (module, hidden_states, top_k_index, top_k_weights))."""
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+
+    with torch.device("meta"):
+        module = Qwen3MoeExperts(config)
+    module.gate_up_proj = torch.nn.Parameter(w13, requires_grad=False)
+    module.down_proj = torch.nn.Parameter(w2, requires_grad=False)
+    return module
 
 
 def inputs(tokens, width, inner, experts, k, device, dtype=torch.bfloat16, seed=0):
@@ -222,17 +216,18 @@ def main() -> None:
     args = parser.parse_args()
     device = "cpu" if args.check_only and not torch.cuda.is_available() else "cuda"
     if args.tiny:
-        tokens, width, inner, experts, k = 40, 64, 48, 6, 2
-        blocks = {"block_m": 16, "block_n": 16, "block_k": 16}
+        from transformers import Qwen3MoeConfig
+
+        c = Qwen3MoeConfig(hidden_size=64, moe_intermediate_size=48, num_experts=6, num_experts_per_tok=2)
+        tokens, blocks = 40, {"block_m": 16, "block_n": 16, "block_k": 16}
     else:
-        c = shape_config(args.shape)
-        tokens, width, inner = args.rows * 3072, c.hidden_size, c.moe_intermediate_size
-        experts, k = c.num_experts, c.num_experts_per_tok
-        blocks = {}
+        c, tokens, blocks = shape_config(args.shape), args.rows * 3072, {}
+    width, inner, experts, k = c.hidden_size, c.moe_intermediate_size, c.num_experts, c.num_experts_per_tok
     # Triton's interpreter multiplies bf16 wrongly: a CPU check runs the kernels in fp32
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
     x, top_i, top_w, w13, w2 = inputs(tokens, width, inner, experts, k, device, dtype)
-    ref = reference_moe(x, top_i, top_w, w13, w2)
+    module = reference_experts(c, w13, w2)
+    ref = gather_sum_experts(module, x, top_i, top_w)
     got = fused_moe(x, top_i, top_w, w13, w2, **blocks)
     err = ((got.float() - ref.float()).norm() / ref.float().norm()).item()
     print(
@@ -241,9 +236,9 @@ def main() -> None:
     assert err < 2e-2, err
     if args.check_only:
         return
-    compiled_ref = torch.compile(reference_moe, dynamic=False)
-    t_ref = median_ms(compiled_ref, (x, top_i, top_w, w13, w2), args.iters)
-    print(f"reference (grouped_mm, compiled): {t_ref:.3f} ms a layer")
+    compiled_ref = torch.compile(gather_sum_experts, dynamic=False)
+    t_ref = median_ms(compiled_ref, (module, x, top_i, top_w), args.iters)
+    print(f"gather_sum experts (grouped_mm, compiled): {t_ref:.3f} ms a layer")
     flops = 2 * tokens * k * width * 3 * inner
     # gate/up holds two fp32 accumulators of BLOCK_M x BLOCK_N: 128 registers a thread at 64 x 128 over
     # four warps, so the larger tiles take eight
