@@ -11,7 +11,9 @@ from the same chunk of logits. With `compiled`, torch.compile fuses what follows
 (the fp32 upcast, log-softmax, the label's term, argmax, and in the backward softmax minus one-hot)
 into a few passes over the bf16 logits. Eager, those element-wise kernels took 15 ms of the 232 ms
 Qwen3-8B step on the H200 and the fp32 logits and log-softmax kept for the backward 10 GiB; compiled,
-4 ms (`flashdraft bench --profile`, docs/results.md).
+4 ms (`flashdraft bench --profile`, docs/results.md). Compiled on CUDA, the plain objective (no
+distillation, scale, cap or top-k) takes flashdraft.train.row_ce's Triton pass instead, which reads
+the logits once.
 
 A DFlash2 drafter adds its candidate selector's term (`selector_loss`): each chunk also returns its
 logits' top-k, so the term is computed afterwards on [positions, k] tensors and no [positions, vocab]
@@ -164,6 +166,17 @@ def _chunk_ce(
 
 
 _compiled_chunk_ce = torch.compile(_chunk_ce, dynamic=False)
+
+
+def _row_chunk_ce(h: torch.Tensor, w_head: torch.Tensor, labels: torch.Tensor, *_):
+    """_chunk_ce for the plain objective (no teacher, scale or cap, top-k) through flashdraft.train.row_ce's
+    one-read Triton pass over the chunk's logits."""
+    from flashdraft.train.row_ce import row_cross_entropy  # Triton: imported on CUDA only
+
+    loss, pred = row_cross_entropy(h @ w_head.t(), labels)
+    return (loss,) if _recomputing else (loss, pred)
+
+
 _recomputing = False  # True while a checkpoint recomputes a chunk for the backward
 
 
@@ -271,7 +284,8 @@ def block_loss(
     distill x KL(target || drafter), the target's logits computed at those positions only.
     dpace: the weights' slot decay is replaced by `dpace_weights` with this smoothing alpha (the
     positions with a weight keep one); None: the fixed weights. compiled: each chunk's loss through
-    torch.compile (module docstring). logit_scale_and_cap: the drafter's (DFlashDrafter's property).
+    torch.compile, or row_ce's kernel (module docstring). logit_scale_and_cap: the drafter's
+    (DFlashDrafter's property).
     selector, selector_objective: a DFlash2 drafter's candidate selector and how it trains; its term,
     times `selector_alpha`, joins weighted_ce (with the fixed weights, whatever `dpace` says).
     """
@@ -285,8 +299,11 @@ def block_loss(
     counted = torch.zeros(bs, device=hidden.device).index_add_(0, slot, (w > 0).float())
     hits = torch.empty_like(y, dtype=torch.bool)
     losses, tops = [], []
-    chunk_ce = _compiled_chunk_ce if compiled else _chunk_ce
     top_k = selector.top_k if selector is not None else 0
+    chunk_ce = _compiled_chunk_ce if compiled else _chunk_ce
+    plain = not (teacher is not None and distill > 0) and logit_scale_and_cap == (1.0, None) and not top_k
+    if compiled and plain and hidden.is_cuda:
+        chunk_ce = _row_chunk_ce
     objective = selector_objective or SelectorObjective(selector_alpha)
     top_grad = bool(top_k) and not objective.stop_gradient
     for start in range(0, h.shape[0], chunk_rows):
