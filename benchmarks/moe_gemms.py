@@ -10,6 +10,8 @@ down: K = the expert's width, N = width) is timed:
   tokens through a random router with a softmax top-k, the weights in transformers' layout
   ([experts, N, K], transposed to [experts, K, N] as its grouped linear passes them);
 - grouped, even: the same with every expert given the same number of rows;
+- grouped, routed, padded: the routed groups each padded to a multiple of 128 rows (the GEMM's tile),
+  its rate counted on the routed rows' FLOPs: what padding the sorted rows would give;
 - grouped, [experts, K, N] contiguous: the other weight layout;
 - dense: one [tokens x top-k, K] @ [K, N] matmul, the same FLOPs, one weight.
 
@@ -37,6 +39,12 @@ def routed_offsets(tokens: int, experts: int, top_k: int, width: int, device: st
     return torch.cumsum(counts, 0, dtype=torch.int32)
 
 
+def padded_offsets(offsets: torch.Tensor, tile: int = 128) -> torch.Tensor:
+    """offsets with each group's rows rounded up to a multiple of tile."""
+    counts = torch.diff(offsets, prepend=offsets.new_zeros(1))
+    return torch.cumsum((counts + tile - 1) // tile * tile, 0, dtype=torch.int32)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -56,6 +64,7 @@ def main() -> None:
     peak = matmul_tflops(torch.device(dev))
     routed = routed_offsets(tokens, experts, top_k, width, dev)
     even = torch.arange(1, experts + 1, device=dev, dtype=torch.int32) * (m // experts)
+    padded = padded_offsets(routed)
     print(f"{args.shape}: {tokens} tokens x top-{top_k} = {m} rows over {experts} experts")
     per_expert = torch.diff(routed, prepend=routed.new_zeros(1))
     low, high = int(per_expert.min()), int(per_expert.max())
@@ -63,16 +72,17 @@ def main() -> None:
     print(f"bf16 matmul peak, measured: {peak:.1f} TFLOP/s\n")
     print(f"{'gemm':8s} {'variant':28s} {'ms':>8s} {'TFLOP/s':>9s} {'of peak':>8s}")
     for name, k, n in (("gate/up", width, 2 * inner), ("down", inner, width)):
-        a = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+        a = torch.randn(int(padded[-1]), k, device=dev, dtype=torch.bfloat16)  # the padded rows' room
         stored = torch.randn(experts, n, k, device=dev, dtype=torch.bfloat16) * k**-0.5  # transformers'
         contiguous = stored.transpose(-2, -1).contiguous()
         dense = contiguous[0]
         flops = 2 * m * k * n
         cases = {
-            "grouped, routed": (torch._grouped_mm, (a, stored.transpose(-2, -1)), {"offs": routed}),
-            "grouped, even": (torch._grouped_mm, (a, stored.transpose(-2, -1)), {"offs": even}),
-            "grouped, [E, K, N] stored": (torch._grouped_mm, (a, contiguous), {"offs": routed}),
-            "dense, one weight": (torch.mm, (a, dense), {}),
+            "grouped, routed": (torch._grouped_mm, (a[:m], stored.transpose(-2, -1)), {"offs": routed}),
+            "grouped, even": (torch._grouped_mm, (a[:m], stored.transpose(-2, -1)), {"offs": even}),
+            "grouped, routed, padded": (torch._grouped_mm, (a, stored.transpose(-2, -1)), {"offs": padded}),
+            "grouped, [E, K, N] stored": (torch._grouped_mm, (a[:m], contiguous), {"offs": routed}),
+            "dense, one weight": (torch.mm, (a[:m], dense), {}),
         }
         for variant, (fn, fn_args, kw) in cases.items():
             ms = median_ms(
