@@ -49,15 +49,17 @@ def _row_stats(
     tl.store(argmax_out + row, best.to(tl.int64))
 
 
-def row_stats(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def row_stats(
+    logits: torch.Tensor, labels: torch.Tensor, tile: int = TILE
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """logits [rows, vocab] (contiguous rows), labels [rows] -> each row's log-sum-exp and label logit
-    (float32) and argmax (int64)."""
+    (float32) and argmax (int64); tile: the columns one loop step reads."""
     rows, vocab = logits.shape
     assert logits.stride(1) == 1 and labels.shape == (rows,), (logits.stride(), labels.shape)
     lse = torch.empty(rows, device=logits.device, dtype=torch.float32)
     label_logit = torch.empty_like(lse)
     argmax = torch.empty(rows, device=logits.device, dtype=torch.int64)
-    tile = min(TILE, triton.next_power_of_2(vocab))
+    tile = min(tile, triton.next_power_of_2(vocab))
     _row_stats[(rows,)](
         logits, logits.stride(0), labels, lse, label_logit, argmax, vocab, TILE=tile, num_warps=8
     )
@@ -78,8 +80,8 @@ _compiled_grad_logits = torch.compile(grad_logits, dynamic=False)
 
 class _RowCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, labels):
-        lse, label_logit, argmax = row_stats(logits, labels)
+    def forward(ctx, logits, labels, tile):
+        lse, label_logit, argmax = row_stats(logits, labels, tile)
         ctx.save_for_backward(logits, lse, labels)
         ctx.mark_non_differentiable(argmax)
         return lse - label_logit, argmax
@@ -87,10 +89,12 @@ class _RowCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad, _):
         logits, lse, labels = ctx.saved_tensors
-        return _compiled_grad_logits(logits, lse, labels, grad), None
+        return _compiled_grad_logits(logits, lse, labels, grad), None, None
 
 
-def row_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def row_cross_entropy(
+    logits: torch.Tensor, labels: torch.Tensor, tile: int = TILE
+) -> tuple[torch.Tensor, torch.Tensor]:
     """F.cross_entropy(logits.float(), labels, reduction="none") and logits.argmax(-1), from one read of
     logits [rows, vocab]; the loss carries a gradient to logits."""
-    return _RowCrossEntropy.apply(logits.contiguous(), labels.contiguous())
+    return _RowCrossEntropy.apply(logits.contiguous(), labels.contiguous(), tile)
