@@ -14,9 +14,10 @@ short by --budget-s goes on where it stopped.
 
 --peer NAME:ARG,ARG,... (repeatable) also runs the peer, vLLM's speculators drafter step alone
 (benchmarks/peer_step.py with those options; speculators must be importable), once in each round after
-the configurations, into OUT/peer-NAME.K.json; its row in the table has no target forward. The options
-after -- that peer_step.py shares with the bench (--steps, --warmup, the shape's) reach it too, before
-its own. For example `--peer dflash:--architecture,dflash -- --steps 20`.
+the configurations, or in the first --peer-runs rounds only, into OUT/peer-NAME.K.json; its row in the
+table has no target forward. The options after -- that peer_step.py shares with the bench (--steps,
+--warmup, the shape's) reach it too, before its own. For example `--peer dflash:--architecture,dflash --
+--steps 20`.
 
 --source NAME:DIR (repeatable) runs configuration NAME on the flashdraft package under DIR instead of the
 installed one: two revisions side by side on one machine, for example the previous commit's
@@ -121,6 +122,7 @@ def main() -> None:
     ap.add_argument("--peer", action="append", default=[], help="NAME:ARG,ARG,... for peer_step.py")
     ap.add_argument("--source", action="append", default=[], help="NAME:DIR, a package to run NAME on")
     ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--peer-runs", type=int, help="runs of each peer, in the first rounds (default: --runs)")
     ap.add_argument("--budget-s", type=float, help="start no run after this many seconds")
     args, common = ap.parse_known_args()
     common = [c for c in common if c != "--"]
@@ -135,6 +137,8 @@ def main() -> None:
     started = time.monotonic()
     for k in range(1, args.runs + 1):
         for name, run_args, peer in runs:
+            if peer and k > (args.runs if args.peer_runs is None else args.peer_runs):
+                continue
             if args.budget_s is not None and time.monotonic() - started > args.budget_s:
                 break
             run_once(name, run_args, k, args.out, common, peer, sources.get(name, ""))

@@ -310,6 +310,25 @@ def test_bench_medians_runs_the_peer_each_round_and_tabulates_it_without_a_targe
     assert lines[3] == "| peer-spec | 2 | 200.0 | 30,720 | 45.0% |  | 80.0 |  | none (peer drafter alone) |"
 
 
+def test_bench_medians_runs_the_peer_in_the_first_peer_runs_rounds_only(tmp_path, monkeypatch):
+    """--peer-runs 1 with --runs 3: the peer runs once, in the first round, after the configurations."""
+    from benchmarks import bench_medians
+
+    names = []
+
+    def fake_run(cmd, capture_output, text, env):
+        names.append(Path(cmd[cmd.index("--json") + 1]).name)
+        Path(cmd[cmd.index("--json") + 1]).write_text(json.dumps({"step_ms": 1.0, "ctx_tok_s": 1.0}))
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+
+    monkeypatch.setattr(bench_medians.subprocess, "run", fake_run)
+    argv = ["bench_medians.py", "--out", str(tmp_path), "--runs", "3", "--peer-runs", "1",
+            "--config", "ours:--shape,qwen3-8b", "--peer", "spec:--architecture,dflash"]  # fmt: skip
+    monkeypatch.setattr(sys, "argv", argv)
+    bench_medians.main()
+    assert names == ["ours.1.json", "peer-spec.1.json", "ours.2.json", "ours.3.json"]
+
+
 def test_bench_medians_runs_a_configuration_on_the_package_its_source_names(tmp_path, monkeypatch):
     """--source NAME:DIR puts DIR first on the path of NAME's runs only (an earlier revision beside this
     one); a DIR without a flashdraft package is refused before anything runs."""
