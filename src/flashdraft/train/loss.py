@@ -12,8 +12,8 @@ from the same chunk of logits. With `compiled`, torch.compile fuses what follows
 into a few passes over the bf16 logits. Eager, those element-wise kernels took 15 ms of the 232 ms
 Qwen3-8B step on the H200 and the fp32 logits and log-softmax kept for the backward 10 GiB; compiled,
 4 ms (`flashdraft bench --profile`, docs/results.md). Compiled on CUDA, the plain objective (no
-distillation, scale, cap or top-k) takes flashdraft.train.row_ce's Triton pass instead, which reads
-the logits once.
+distillation, scale, cap or top-k) takes flashdraft.train.row_ce's Triton kernels instead, which read
+the logits once forward and write their gradient over them backward.
 
 A DFlash2 drafter adds its candidate selector's term (`selector_loss`): each chunk also returns its
 logits' top-k, so the term is computed afterwards on [positions, k] tensors and no [positions, vocab]
@@ -171,9 +171,9 @@ _compiled_chunk_ce = torch.compile(_chunk_ce, dynamic=False)
 def _row_chunk_ce(h: torch.Tensor, w_head: torch.Tensor, labels: torch.Tensor, *_):
     """_chunk_ce for the plain objective (no teacher, scale or cap, top-k) through flashdraft.train.row_ce's
     one-read Triton pass over the chunk's logits."""
-    from flashdraft.train.row_ce import row_cross_entropy  # Triton: imported on CUDA only
+    from flashdraft.train.row_ce import linear_cross_entropy  # Triton: imported on CUDA only
 
-    loss, pred = row_cross_entropy(h @ w_head.t(), labels)
+    loss, pred = linear_cross_entropy(h, w_head, labels)
     return (loss,) if _recomputing else (loss, pred)
 
 

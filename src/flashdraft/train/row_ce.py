@@ -1,12 +1,13 @@
-"""The loss's pass over one chunk of logits as a Triton kernel: each row's log-sum-exp, its label's logit
-and its argmax from a single read of the bf16 logits; the backward (softmax minus one-hot) is compiled.
+"""The loss's pass over one chunk of logits as Triton kernels: forward, each row's log-sum-exp, its
+label's logit and its argmax from a single read of the bf16 logits; backward, softmax minus one-hot
+written over the logits themselves, so a chunk holds one [rows, vocab] buffer, not two.
 
 Why by hand: for the same three results, torch.compile's fused reduction (flashdraft.train.loss's
-compiled chunk) reads a Qwen3-8B chunk's 2.5 GB of logits at about 1.3 TB/s on an H100; one program a
-row holding a running maximum, sum of exponentials and argmax as scalars reads them at 2.4 TB/s, 1.05
-against 1.94 ms a chunk (`benchmarks/loss_pass.py`, docs/results.md). The fused linear cross-entropy
-kernels of liger-kernel and cut-cross-entropy return no argmax, which the step needs for its slot
-accuracy and acceptance length.
+compiled chunk) reads a Qwen3-8B chunk's 2.5 GB of logits in 1.9-2.4 ms on an H100; one program a row
+holding a running maximum, sum of exponentials and argmax as scalars reads them in 1.0-2.0 ms, and the
+chunk's forward and backward take 31.2 against 32.9 ms (`benchmarks/loss_pass.py`, docs/results.md).
+The fused linear cross-entropy kernels of liger-kernel and cut-cross-entropy return no argmax, which
+the step needs for its slot accuracy and acceptance length.
 
 GPU only (Triton); flashdraft.train.loss uses it for the plain objective (no distillation, no logit
 scale or cap, no candidate top-k) when the step is compiled on CUDA.
@@ -18,7 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
-TILE = 8192  # the row's columns one loop step reads: the fastest of 2048/4096/8192 on the H100
+# the row's columns one loop step reads: of 2048/4096/8192, the fastest forward and backward on an H100
+TILE = 8192
 
 
 @triton.jit
@@ -66,35 +68,61 @@ def row_stats(
     return lse, label_logit, argmax
 
 
-def grad_logits(
-    logits: torch.Tensor, lse: torch.Tensor, labels: torch.Tensor, grad: torch.Tensor
-) -> torch.Tensor:
-    """d(sum grad x CE)/d logits: (softmax - one-hot) x grad per row, 0 on a row with a negative label."""
-    p = torch.exp(logits.float() - lse[:, None])
-    one_hot = torch.arange(logits.shape[1], device=logits.device)[None, :] == labels[:, None]
-    return ((p - one_hot.float()) * (grad * (labels >= 0))[:, None]).to(logits.dtype)
+@triton.jit
+def _grad_in_place(logits, stride, lse, labels, grad, vocab: tl.constexpr, TILE: tl.constexpr):
+    """Row r of logits becomes d(grad[r] x CE_r)/d logits: (softmax - one-hot) x grad[r], 0 on a row
+    with a negative label."""
+    row = tl.program_id(0).to(tl.int64)
+    base = logits + row * stride
+    label = tl.load(labels + row)
+    scale = tl.where(label >= 0, tl.load(grad + row), 0.0)
+    row_lse = tl.load(lse + row)
+    for start in range(0, vocab, TILE):
+        cols = start + tl.arange(0, TILE)
+        x = tl.load(base + cols, mask=cols < vocab, other=0.0).to(tl.float32)
+        g = (tl.exp(x - row_lse) - (cols == label).to(tl.float32)) * scale
+        tl.store(base + cols, g.to(logits.dtype.element_ty), mask=cols < vocab)
 
 
-_compiled_grad_logits = torch.compile(grad_logits, dynamic=False)
+class _LinearCrossEntropy(torch.autograd.Function):
+    """The logits are this function's own: the backward writes their gradient over them."""
 
-
-class _RowCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, labels, tile):
+    def forward(ctx, h, weight, labels, tile):
+        logits = h @ weight.t()
         lse, label_logit, argmax = row_stats(logits, labels, tile)
-        ctx.save_for_backward(logits, lse, labels)
+        ctx.tile = min(tile, triton.next_power_of_2(logits.shape[1]))
+        ctx.save_for_backward(h if weight.requires_grad else None, weight, logits, lse, labels)
         ctx.mark_non_differentiable(argmax)
         return lse - label_logit, argmax
 
     @staticmethod
     def backward(ctx, grad, _):
-        logits, lse, labels = ctx.saved_tensors
-        return _compiled_grad_logits(logits, lse, labels, grad), None, None
+        if getattr(ctx, "overwritten", False):
+            raise RuntimeError(
+                "linear_cross_entropy: a second backward (retain_graph) would read logits "
+                "its first overwrote with their gradient"
+            )
+        ctx.overwritten = True
+        h, weight, logits, lse, labels = ctx.saved_tensors
+        rows, vocab = logits.shape
+        _grad_in_place[(rows,)](
+            logits,
+            logits.stride(0),
+            lse,
+            labels,
+            grad.float().contiguous(),
+            vocab,
+            TILE=ctx.tile,
+            num_warps=8,
+        )
+        grad_h = logits @ weight.to(logits.dtype) if ctx.needs_input_grad[0] else None
+        grad_weight = (logits.t() @ h.to(logits.dtype)).to(weight.dtype) if ctx.needs_input_grad[1] else None
+        return grad_h, grad_weight, None, None
 
 
-def row_cross_entropy(
-    logits: torch.Tensor, labels: torch.Tensor, tile: int = TILE
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """F.cross_entropy(logits.float(), labels, reduction="none") and logits.argmax(-1), from one read of
-    logits [rows, vocab]; the loss carries a gradient to logits."""
-    return _RowCrossEntropy.apply(logits.contiguous(), labels.contiguous(), tile)
+def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, tile: int = TILE):
+    """F.cross_entropy((h @ weight^T).float(), labels, reduction="none") and the logits' argmax, with one
+    read of the logits [rows, vocab] forward and one read and write backward; the loss carries
+    gradients to h (and weight, where it requires one)."""
+    return _LinearCrossEntropy.apply(h, weight, labels.contiguous(), tile)
