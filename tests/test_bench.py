@@ -317,8 +317,9 @@ def test_bench_medians_runs_the_peer_in_the_first_peer_runs_rounds_only(tmp_path
     names = []
 
     def fake_run(cmd, capture_output, text, env):
-        names.append(Path(cmd[cmd.index("--json") + 1]).name)
-        Path(cmd[cmd.index("--json") + 1]).write_text(json.dumps({"step_ms": 1.0, "ctx_tok_s": 1.0}))
+        path = Path(cmd[cmd.index("--json") + 1])
+        names.append(path.name)
+        path.write_text(json.dumps({"step_ms": 1.0, "ctx_tok_s": 1.0}))
         return subprocess.CompletedProcess(cmd, 0, "", "")
 
     monkeypatch.setattr(bench_medians.subprocess, "run", fake_run)

@@ -23,6 +23,11 @@ import triton.language as tl
 TILE = 8192
 
 
+def _tile(tile: int, vocab: int) -> int:
+    """The columns a loop step reads: tile, or fewer for a row narrower than it."""
+    return min(tile, triton.next_power_of_2(vocab))
+
+
 @triton.jit
 def _row_stats(
     logits, stride, labels, lse_out, label_out, argmax_out, vocab: tl.constexpr, TILE: tl.constexpr
@@ -61,7 +66,7 @@ def row_stats(
     lse = torch.empty(rows, device=logits.device, dtype=torch.float32)
     label_logit = torch.empty_like(lse)
     argmax = torch.empty(rows, device=logits.device, dtype=torch.int64)
-    tile = min(tile, triton.next_power_of_2(vocab))
+    tile = _tile(tile, vocab)
     _row_stats[(rows,)](
         logits, logits.stride(0), labels, lse, label_logit, argmax, vocab, TILE=tile, num_warps=8
     )
@@ -91,7 +96,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
     def forward(ctx, h, weight, labels, tile):
         logits = h @ weight.t()
         lse, label_logit, argmax = row_stats(logits, labels, tile)
-        ctx.tile = min(tile, triton.next_power_of_2(logits.shape[1]))
+        ctx.tile = _tile(tile, logits.shape[1])
         ctx.save_for_backward(h if weight.requires_grad else None, weight, logits, lse, labels)
         ctx.mark_non_differentiable(argmax)
         return lse - label_logit, argmax
