@@ -190,6 +190,38 @@ def test_a_convolution_position_reads_itself_and_earlier_positions_of_its_block_
             assert changed.tolist() == expected, (side, t)
 
 
+def test_a_compiled_convolution_keeps_one_copy_of_its_input_for_the_backward():
+    """prepare, a linear, finish, compiled as the step compiles its layers: what the backward keeps beyond
+    the linear's own is one copy of each convolved input (and the small per-position kernel), not one
+    shifted copy an offset."""
+    torch.manual_seed(0)
+    positions, width = 256, 64
+    conv = GroupedDynamicCausalConv(width, kernel_size=4, group_size=8, block_size=16)
+    linear = torch.nn.Linear(width, width, bias=False)
+
+    def saved_bytes(fn) -> int:
+        compiled = torch.compile(fn, dynamic=False)
+        x = torch.randn(1, positions, width, requires_grad=True)
+        storages = {}
+
+        def keep(t):
+            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+            compiled(x)
+        return sum(storages.values())
+
+    def convolved(x):
+        h, kernel = conv.prepare(x)
+        return conv.finish(linear(h), kernel)
+
+    torch._dynamo.reset()
+    kernel = positions * 2 * 4 * (width // 8) * 4  # prepare's output: both sides' per-position kernels
+    copies = (saved_bytes(convolved) - saved_bytes(linear) - kernel) / (positions * width * 4)
+    assert copies < 4, copies  # 3.3 (the two inputs padded, and the linear's output); one an offset: 8.3
+
+
 def test_many_dflash2_blocks_in_packed_rows_compute_each_block_alone():
     """The training form (every block of two packed rows in one forward, blocks side by side) gives each
     block the hidden states it has alone with its context at inference: no block reads its neighbour."""

@@ -95,16 +95,17 @@ def block_causal_convolve(
     """
     b, q, d = x.shape
     groups = d // group_size
-    x = x.view(b, q, groups, group_size)
+    k = min(base.shape[0], q)
     base = base.to(x.dtype).view(-1, groups, group_size)
     slot = torch.arange(q, device=x.device) % block_size  # each position's place in its block
-    out = torch.zeros_like(x)
-    for o in range(min(base.shape[0], q)):
-        earlier = x
+    # x[t - o] as a view of one padded copy: the backward keeps that copy, not one shifted copy an offset
+    padded = F.pad(x, (0, 0, k - 1, 0)).view(b, q + k - 1, groups, group_size)
+    out = None
+    for o in range(k):
+        term = (base[o] + dynamic[:, :, o, :, None]) * padded[:, k - 1 - o : k - 1 - o + q]
         if o > 0:
-            earlier = F.pad(x[:, : q - o], (0, 0, 0, 0, o, 0))
-            earlier = earlier * (slot >= o).to(x.dtype)[:, None, None]
-        out = out + (base[o] + dynamic[:, :, o, :, None]) * earlier
+            term = term * (slot >= o).to(x.dtype)[:, None, None]
+        out = term if out is None else out + term
     return out.view(b, q, d)
 
 
