@@ -1,11 +1,11 @@
 """Where a bench step's peak memory is reached: each phase's peak allocation, on a GPU.
 
-    PYTHONPATH=src python3 dev/memory_phases.py --shape qwen3-8b --architecture dflash2 [--steps 3]
+    python benchmarks/memory_phases.py --shape qwen3-8b --architecture dflash2 [--steps 3]
 
 Runs `flashdraft bench`'s step with every phase timer also reading torch.cuda.max_memory_allocated at
 the phase's end and resetting it, so each phase reports the most it held. The readings synchronise the
-GPU: the step times printed beside them are not the bench's. Prints, per phase, the largest peak over
-the measured steps in GiB, and the allocation live at the step's start.
+GPU, so no times are reported. Prints, per phase, the largest peak over the steps in GiB, and what is
+still allocated after the last step (the weights and the optimizer's state).
 """
 
 import argparse
