@@ -219,7 +219,7 @@ def test_a_compiled_convolution_keeps_one_copy_of_its_input_for_the_backward():
     torch._dynamo.reset()
     kernel = positions * 2 * 4 * (width // 8) * 4  # prepare's output: both sides' per-position kernels
     copies = (saved_bytes(convolved) - saved_bytes(linear) - kernel) / (positions * width * 4)
-    assert copies < 4, copies  # 3.3 (the two inputs padded, and the linear's output); one an offset: 8.3
+    assert copies < 4, copies  # 3.3 with the two inputs padded; 8.3 with a shifted copy an offset
 
 
 def test_many_dflash2_blocks_in_packed_rows_compute_each_block_alone():
